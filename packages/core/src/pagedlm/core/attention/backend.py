@@ -1,0 +1,130 @@
+"""The attention-backend interface: Backend, Metadata, MetadataBuilder, Impl.
+
+A backend is four pieces (one file per backend in its package):
+
+- ``XBackend``: static description (name, KV-cache shape, supported head sizes and dtypes) and
+  the classes of the other three pieces.
+- ``XMetadata``: a dataclass of flat tensors describing one step's batch.
+- ``XMetadataBuilder``: builds ``XMetadata`` from :class:`CommonAttentionMetadata`.
+- ``XImpl``: ``forward(q, k, v, kv_cache, metadata)`` for one layer.
+
+Tokens of a step are laid out flat: the ``num_reqs`` requests' new tokens are concatenated, so
+request ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``. Its context (cached
+tokens plus the new ones) has length ``seq_lens[i]``; the new tokens are the last
+``query_len`` positions of that context.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+import torch
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """Backend-independent description of one step, built by the model runner.
+
+    Shapes: ``B = num_reqs``, ``T = num_actual_tokens``.
+    """
+
+    query_start_loc: torch.Tensor  # [B + 1] int32, device
+    query_start_loc_cpu: torch.Tensor  # [B + 1] int32, host
+    seq_lens: torch.Tensor  # [B] int32, device: context length incl. this step's tokens
+    seq_lens_cpu: torch.Tensor  # [B] int32, host
+    num_computed_tokens_cpu: torch.Tensor  # [B] int32, host: context already in the cache
+    block_table: torch.Tensor  # [B, max_blocks_per_req] int32, device
+    slot_mapping: torch.Tensor  # [T] int64, device: flat cache slot of each new token
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+
+
+M = TypeVar("M")
+
+
+class AttentionMetadataBuilder(ABC, Generic[M]):
+    """Turns :class:`CommonAttentionMetadata` into a backend's own metadata."""
+
+    def __init__(self, *, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+
+    @abstractmethod
+    def build(self, common: CommonAttentionMetadata) -> M: ...
+
+
+class AttentionImpl(ABC, Generic[M]):
+    """Attention of one layer over the paged KV cache."""
+
+    def __init__(
+        self,
+        *,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: M,
+    ) -> torch.Tensor:
+        """Write this step's K/V into ``kv_cache`` and attend.
+
+        Args:
+            query: ``[T, num_heads, head_size]``
+            key, value: ``[T, num_kv_heads, head_size]``
+            kv_cache: the backend's cache tensor for this layer (shape from
+                :meth:`AttentionBackend.get_kv_cache_shape`)
+            metadata: the backend's metadata for this step
+        Returns:
+            ``[T, num_heads, head_size]``
+        """
+
+
+class AttentionBackend(ABC):
+    """Static description of a backend and the classes of its pieces."""
+
+    name: ClassVar[str]
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+    supported_head_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any
+
+    @staticmethod
+    @abstractmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        ...
+
+    @staticmethod
+    @abstractmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder[Any]]: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_impl_cls() -> type[AttentionImpl[Any]]: ...
+
+    @classmethod
+    def validate(cls, *, head_size: int, dtype: torch.dtype) -> None:
+        if cls.supported_head_sizes is not None and head_size not in cls.supported_head_sizes:
+            raise ValueError(
+                f"attention backend {cls.name!r} does not support head_size={head_size}; "
+                f"supported: {list(cls.supported_head_sizes)}"
+            )
+        if dtype not in cls.supported_dtypes:
+            raise ValueError(f"attention backend {cls.name!r} does not support dtype={dtype}")

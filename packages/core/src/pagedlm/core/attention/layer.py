@@ -1,0 +1,62 @@
+"""``Attention``: the layer models use; the selected backend supplies the implementation."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedlm.core.forward_context import get_build_context, get_forward_context
+
+
+class Attention(nn.Module):
+    """Paged attention over this layer's slice of the KV cache.
+
+    Built inside ``set_current_vllm_config`` (the model runner does this), it registers itself
+    under ``prefix`` so the runner can bind its cache tensor (``self.kv_cache``) after
+    allocation. ``forward`` takes flat ``[T, num_heads * head_size]`` q and
+    ``[T, num_kv_heads * head_size]`` k/v and returns ``[T, num_heads * head_size]``.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        *,
+        prefix: str,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        super().__init__()
+        ctx = get_build_context()
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.layer_name = prefix
+        self.sliding_window = sliding_window
+        self.backend = ctx.attn_backend
+        self.impl = ctx.attn_backend.get_impl_cls()(
+            num_heads=num_heads,
+            head_size=head_size,
+            scale=scale,
+            num_kv_heads=self.num_kv_heads,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+        )
+        #: bound by the model runner once the KV cache is allocated
+        self.kv_cache: torch.Tensor = torch.empty(0)
+        if prefix in ctx.attention_layers:
+            raise ValueError(f"two attention layers share the prefix {prefix!r}")
+        ctx.attention_layers[prefix] = self
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        num_tokens = query.shape[0]
+        out = self.impl.forward(
+            query.view(num_tokens, self.num_heads, self.head_size),
+            key.view(num_tokens, self.num_kv_heads, self.head_size),
+            value.view(num_tokens, self.num_kv_heads, self.head_size),
+            self.kv_cache,
+            get_forward_context().attn_metadata,
+        )
+        return out.reshape(num_tokens, self.num_heads * self.head_size)

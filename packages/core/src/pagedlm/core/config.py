@@ -1,0 +1,324 @@
+"""Engine configuration: one ``VllmConfig`` made of small per-concern configs.
+
+Every field has a default, so ``VllmConfig()`` builds (with no model) for unit tests. Validation
+raises ``ValueError`` naming the parameter, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+_STR_TO_DTYPE = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class ModelConfig:
+    """What model to run and how to read it.
+
+    ``model`` is a local directory holding an HF ``config.json`` (plus weights and tokenizer
+    unless ``load_format="dummy"`` / ``skip_tokenizer_init``). ``hf_config`` may be passed
+    directly instead (tests). ``dtype`` is resolved to a ``torch.dtype`` by
+    :meth:`VllmConfig.finalize` once the platform is known.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    hf_config: Any = None
+    dtype: str | torch.dtype = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+    revision: str | None = None
+    served_model_name: str | None = None
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.model is not None:
+            self.model = os.path.expanduser(str(self.model))
+            if not os.path.isdir(self.model):
+                raise ValueError(
+                    f"model={self.model!r} is not a directory; pass a local HF model directory "
+                    "(config.json, *.safetensors, tokenizer.json). No model hub is contacted."
+                )
+            if not os.path.isfile(os.path.join(self.model, "config.json")):
+                raise ValueError(f"model={self.model!r} has no config.json")
+            if self.hf_config is None:
+                from transformers import AutoConfig
+
+                self.hf_config = AutoConfig.from_pretrained(
+                    self.model, trust_remote_code=self.trust_remote_code, revision=self.revision
+                )
+            self.generation_config = {**_read_generation_config(self.model), **self.generation_config}
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        if self.hf_config is not None:
+            derived = self._derived_max_model_len()
+            if self.max_model_len is None:
+                self.max_model_len = derived
+            elif self.max_model_len < 1:
+                raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")
+            elif self.max_model_len > derived:
+                raise ValueError(
+                    f"max_model_len={self.max_model_len} exceeds the model's maximum context "
+                    f"length {derived} (max_position_embeddings in config.json)"
+                )
+        if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in _STR_TO_DTYPE:
+            raise ValueError(f"dtype={self.dtype!r} is not one of auto, float32, float16, bfloat16")
+
+    # -- hyperparameters read from the HF config -------------------------------------------------
+    def _require(self) -> Any:
+        if self.hf_config is None:
+            raise ValueError("ModelConfig has no model: pass model=DIR or hf_config=")
+        return self.hf_config
+
+    @property
+    def text_config(self) -> Any:
+        cfg = self._require()
+        return getattr(cfg, "text_config", None) or cfg
+
+    @property
+    def architectures(self) -> list[str]:
+        return list(getattr(self._require(), "architectures", None) or [])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.text_config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.text_config.vocab_size)
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return int(self.text_config.num_hidden_layers)
+
+    @property
+    def num_attention_heads(self) -> int:
+        return int(self.text_config.num_attention_heads)
+
+    @property
+    def num_key_value_heads(self) -> int:
+        cfg = self.text_config
+        return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.text_config
+        return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+    @property
+    def config_dtype(self) -> torch.dtype:
+        cfg = self.text_config
+        raw = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "float32"
+        if isinstance(raw, torch.dtype):
+            return raw
+        return _STR_TO_DTYPE.get(str(raw).removeprefix("torch."), torch.float32)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.generation_config.get("eos_token_id"), getattr(self.text_config, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, (list, tuple)):
+                ids.update(int(i) for i in source)
+        return ids
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or (self.model or "pagedlm-model")
+
+    def _derived_max_model_len(self) -> int:
+        cfg = self.text_config
+        for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            value = getattr(cfg, key, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return 2048
+
+    def resolve_dtype(self, platform_default: torch.dtype, supported: tuple[torch.dtype, ...]) -> torch.dtype:
+        """``"auto"``: the checkpoint's dtype, or the platform default for fp32 checkpoints."""
+        if isinstance(self.dtype, torch.dtype):
+            dtype = self.dtype
+        elif self.dtype == "auto":
+            dtype = self.config_dtype if self.config_dtype != torch.float32 else platform_default
+        else:
+            dtype = _STR_TO_DTYPE[self.dtype]
+        if dtype not in supported:
+            allowed = ", ".join(_dtype_name(d) for d in supported)
+            raise ValueError(f"dtype={_dtype_name(dtype)} is not supported on this platform; allowed: {allowed}")
+        self.dtype = dtype
+        return dtype
+
+
+def _read_generation_config(model_dir: str) -> dict[str, Any]:
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache.
+
+    ``num_gpu_blocks_override`` fixes the number of blocks on any device (the name is vLLM's).
+    Otherwise the platform sizes the cache: ``gpu_memory_utilization`` of device memory on GPUs,
+    ``kv_cache_memory_bytes`` (or ``PAGEDLM_CPU_KVCACHE_SPACE``, default 4 GiB) on the CPU.
+    """
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    # Set by the executor once the cache is allocated.
+    num_gpu_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a positive power of two")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override={self.num_gpu_blocks_override} must be >= 1")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
+            raise ValueError(
+                f"distributed_executor_backend={self.distributed_executor_backend!r} must be one of uni, mp, ray"
+            )
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size x "
+                f"pipeline_parallel_size = {self.world_size}; use 'mp' or 'ray'"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
+class SchedulerConfig:
+    """Batching limits.
+
+    ``max_num_batched_tokens`` is the per-step token budget shared by prefill chunks and decode
+    tokens (default: 8192, at least ``max_model_len`` when chunked prefill is off).
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+
+    def finalize(self, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 8192 if self.enable_chunked_prefill else max(8192, max_model_len)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
+                f"max_model_len={max_model_len} with chunked prefill off: a long prompt could never "
+                "be scheduled; raise max_num_batched_tokens or enable chunked prefill"
+            )
+
+
+@dataclass
+class LoadConfig:
+    """How weights are read. ``"auto"`` reads safetensors and refuses pickle files; pass
+    ``load_format="pt"`` to explicitly allow ``*.bin``/``*.pt`` checkpoints (read with
+    ``torch.load(weights_only=True)``). ``"dummy"`` fills weights randomly (benchmarks)."""
+
+    load_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={self.load_format!r} must be one of {', '.join(LOAD_FORMATS)}")
+
+
+@dataclass
+class DeviceConfig:
+    """``device="auto"`` picks the available platform with the highest priority."""
+
+    device: str = "auto"
+
+
+@dataclass
+class VllmConfig:
+    """The one engine-level configuration object (the name is vLLM's)."""
+
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    load_config: LoadConfig = field(default_factory=LoadConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    attention_backend: str | None = None
+    enforce_eager: bool = False
+    # Extra knobs for third-party plugins, namespaced by plugin name.
+    additional_config: dict[str, Any] = field(default_factory=dict)
+
+    def finalize(self) -> None:
+        """Resolve platform-dependent fields and let the platform and plugins check them.
+
+        NOTE: idempotent; called by the engine before anything is built.
+        """
+        from pagedlm.core.platforms import resolve_platform
+        from pagedlm.core.plugins import get_plugins
+
+        platform = resolve_platform(self.device_config.device)
+        self.device_config.device = platform.device_name
+        mc = self.model_config
+        if mc.hf_config is not None:
+            mc.resolve_dtype(platform.default_dtype, platform.supported_dtypes)
+            self.scheduler_config.finalize(int(mc.max_model_len or 2048))
+        else:
+            self.scheduler_config.finalize(self.scheduler_config.max_model_len)
+        platform.check_and_update_config(self)
+        get_plugins().check_and_update_config(self)
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.model_config.max_model_len or self.scheduler_config.max_model_len)

@@ -1,0 +1,41 @@
+"""Every environment variable pagedlm reads, in one place.
+
+NOTE: nothing else in the code base calls ``os.environ`` for pagedlm settings; read them here
+so that the full list stays discoverable (docs/configuration.md mirrors this module).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def plugins_allow_list() -> list[str] | None:
+    """``PAGEDLM_PLUGINS``: comma-separated entry-point names to load; unset means all."""
+    value = os.environ.get("PAGEDLM_PLUGINS")
+    if value is None:
+        return None
+    return [name.strip() for name in value.split(",") if name.strip()]
+
+
+def disable_plugin_autoload() -> bool:
+    """``PAGEDLM_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry points (only registered objects)."""
+    return os.environ.get("PAGEDLM_DISABLE_PLUGIN_AUTOLOAD", "0").lower() in ("1", "true", "yes")
+
+
+def cpu_kv_cache_space_gib() -> float | None:
+    """``PAGEDLM_CPU_KVCACHE_SPACE``: GiB of host memory for the KV cache on the CPU platform."""
+    value = os.environ.get("PAGEDLM_CPU_KVCACHE_SPACE")
+    return float(value) if value else None
+
+
+def cache_root() -> str:
+    """``PAGEDLM_CACHE_ROOT``: where pagedlm keeps generated files (default ~/.cache/pagedlm)."""
+    return os.environ.get(
+        "PAGEDLM_CACHE_ROOT",
+        os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pagedlm"),
+    )
+
+
+def logging_level() -> str:
+    """``PAGEDLM_LOGGING_LEVEL``: level of the ``pagedlm`` logger (default INFO)."""
+    return os.environ.get("PAGEDLM_LOGGING_LEVEL", "INFO").upper()

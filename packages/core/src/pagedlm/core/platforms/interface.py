@@ -1,0 +1,50 @@
+"""The ``Platform`` interface that hardware backends implement."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from pagedlm.core.config import VllmConfig
+
+
+class Platform:
+    """One kind of device. Subclasses live in backend packages and are registered through
+    ``pagedlm_register_platforms``; core only ever sees them through this interface."""
+
+    #: the name users pass as ``device=``
+    device_name: str = "cpu"
+    #: the torch device type tensors are placed on
+    device_type: str = "cpu"
+    #: torch.distributed backend for multi-rank runs
+    dist_backend: str = "gloo"
+    default_dtype: torch.dtype = torch.float32
+    supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+    #: whether decode steps may be replayed through device graphs
+    supports_graphs: bool = False
+
+    def get_attn_backend_name(self, vllm_config: VllmConfig) -> str:
+        """Name of the attention backend to use (a key of the attention-backend registry)."""
+        raise NotImplementedError
+
+    def check_and_update_config(self, vllm_config: VllmConfig) -> None:
+        """Validate or adjust the config for this platform (block size, dtype, graphs)."""
+
+    def kv_cache_memory_bytes(self, vllm_config: VllmConfig, device: torch.device) -> int:
+        """Bytes available for the KV cache on ``device`` after the model is loaded and profiled."""
+        raise NotImplementedError
+
+    def set_device(self, local_rank: int) -> torch.device:
+        """Select the device of a local rank and return it."""
+        return torch.device(self.device_type)
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (no-op on the CPU)."""
+
+    def empty_cache(self) -> None:
+        """Return cached allocator memory to the device (no-op on the CPU)."""
+
+    def memory_summary(self) -> str:
+        return ""

@@ -1,0 +1,73 @@
+"""The pagedlm hook specifications: the whole public plugin contract.
+
+Every hook is keyword-only. Registration hooks receive a ``register`` callback rather than
+returning values, so that new optional arguments can be added to ``register`` later without
+breaking existing plugins. A plugin implements any subset of these hooks in a module named by
+an entry point in group ``pagedlm`` (see docs/plugins.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Callable
+
+import pluggy
+
+if TYPE_CHECKING:
+    from pagedlm.core.config import VllmConfig
+
+hookspec = pluggy.HookspecMarker("pagedlm")
+
+
+@hookspec
+def pagedlm_register_models(register: Callable[[str, str], None]) -> None:
+    """Register model classes by HF architecture name.
+
+    Call ``register(architecture, class_path)`` once per architecture, e.g.
+    ``register("LlamaForCausalLM", "pagedlm.models.llama.modeling:LlamaForCausalLM")``.
+    The class is imported only when a checkpoint's ``config.json`` names the architecture.
+    It must be constructible as ``Cls(vllm_config=..., prefix="")``. Returns nothing.
+    """
+
+
+@hookspec
+def pagedlm_register_platforms(register: Callable[..., None]) -> None:
+    """Register hardware platforms.
+
+    Call ``register(name, class_path, is_available, priority=0)``: ``name`` is the device
+    name users pass as ``device=`` (``"cpu"``, ``"cuda"``); ``class_path`` points at a
+    :class:`pagedlm.core.platforms.Platform` subclass; ``is_available`` is a cheap callable
+    returning ``bool`` (it must not initialise the device); ``device="auto"`` picks the
+    available platform with the highest ``priority``. Returns nothing.
+    """
+
+
+@hookspec
+def pagedlm_register_attention_backends(register: Callable[[str, str], None]) -> None:
+    """Register attention backends.
+
+    Call ``register(name, class_path)`` where ``class_path`` points at a
+    :class:`pagedlm.core.attention.AttentionBackend` subclass. Platforms pick a backend by
+    name (``Platform.get_attn_backend_name``); users may force one with
+    ``attention_backend=NAME``. Returns nothing.
+    """
+
+
+@hookspec
+def pagedlm_add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Add subcommands to the ``pagedlm`` command line.
+
+    Receives the ``argparse`` subparsers object of the top-level parser. Add a parser with
+    ``subparsers.add_parser(name, ...)`` and set its ``func`` default to a callable taking the
+    parsed ``argparse.Namespace`` and returning an exit code. Returns nothing.
+    """
+
+
+@hookspec
+def pagedlm_check_and_update_config(vllm_config: VllmConfig) -> None:
+    """Validate or adjust an engine configuration before the engine is built.
+
+    Called for every plugin, after the platform's own ``check_and_update_config``. Raise
+    ``ValueError`` with an actionable message to refuse a configuration; mutate fields to adjust
+    it. Returns nothing.
+    """

@@ -1,0 +1,107 @@
+"""Engine-side request state shared by the scheduler and the KV-cache manager."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagedlm.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Finished states: everything above this line is not finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class EngineCoreRequest:
+    """What the front end sends to the engine core (tokenized and validated)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.time)
+
+
+class Request:
+    """A request inside the engine core.
+
+    ``all_token_ids`` is prompt + output; ``num_computed_tokens`` counts the tokens whose K/V are
+    in the cache (or scheduled to be written this step). ``block_hashes`` holds the chained hash
+    of every *full* block of ``all_token_ids`` and is extended by the KV-cache manager.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float | None = None,
+        max_tokens: int | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit on first schedule; -1 until scheduled
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.max_tokens = max_tokens if max_tokens is not None else (sampling_params.max_tokens or 1)
+        self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> Request:
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is None:
+            max_tokens = max_model_len - len(req.prompt_token_ids)
+        return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.arrival_time, max_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )
