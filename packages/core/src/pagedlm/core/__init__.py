@@ -1,0 +1,49 @@
+"""pagedlm core: the engine, its configuration and the plugin system.
+
+Public API (vLLM-compatible names)::
+
+    from pagedlm.core import LLM, SamplingParams
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineArgs",
+    "LLMEngine",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "VllmConfig",
+]
+
+if TYPE_CHECKING:
+    from pagedlm.core.config import VllmConfig
+    from pagedlm.core.engine.arg_utils import EngineArgs
+    from pagedlm.core.engine.llm_engine import LLMEngine
+    from pagedlm.core.entrypoints.llm import LLM
+    from pagedlm.core.outputs import CompletionOutput, Logprob, RequestOutput
+    from pagedlm.core.sampling_params import SamplingParams
+
+_LAZY = {
+    "LLM": "pagedlm.core.entrypoints.llm",
+    "LLMEngine": "pagedlm.core.engine.llm_engine",
+    "EngineArgs": "pagedlm.core.engine.arg_utils",
+    "VllmConfig": "pagedlm.core.config",
+    "SamplingParams": "pagedlm.core.sampling_params",
+    "RequestOutput": "pagedlm.core.outputs",
+    "CompletionOutput": "pagedlm.core.outputs",
+    "Logprob": "pagedlm.core.outputs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy so that `import pagedlm.core.plugins` (in every plugin) does not import torch.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pagedlm.core' has no attribute {name!r}")

@@ -1,0 +1,139 @@
+"""``EngineArgs``: the flat list of engine options shared by ``LLM(...)`` and the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedlm.core.config import (
+    CacheConfig,
+    DeviceConfig,
+    LoadConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+
+_HELP = {
+    "model": "local HF model directory (config.json, *.safetensors, tokenizer.json)",
+    "tokenizer": "tokenizer directory (default: the model directory)",
+    "dtype": "auto, float32, bfloat16 or float16 (auto: the checkpoint's dtype, or the platform default)",
+    "device": "auto or a registered platform name (cpu, cuda, ...)",
+    "seed": "random seed for weights of dummy models and for unseeded sampling",
+    "max_model_len": "context length (prompt + output); default: from config.json",
+    "block_size": "tokens per KV-cache block",
+    "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
+    "num_gpu_blocks_override": "fix the number of KV-cache blocks (on any device)",
+    "gpu_memory_utilization": "fraction of GPU memory pagedlm may use",
+    "kv_cache_memory_bytes": "bytes for the KV cache (overrides the platform's sizing)",
+    "max_num_seqs": "most requests in one batch",
+    "max_num_batched_tokens": "token budget per step (prefill chunks + decodes)",
+    "enable_chunked_prefill": "split long prompts across steps",
+    "tensor_parallel_size": "ranks per tensor-parallel group",
+    "pipeline_parallel_size": "pipeline stages",
+    "data_parallel_size": "engine replicas",
+    "distributed_executor_backend": "uni, mp or ray",
+    "load_format": "auto, safetensors, pt (allows pickle files) or dummy (random weights)",
+    "skip_tokenizer_init": "run without a tokenizer (token-id prompts only)",
+    "trust_remote_code": "let transformers run code from the model directory",
+    "served_model_name": "model name reported in outputs and by the server",
+    "attention_backend": "force an attention backend by its registered name",
+    "enforce_eager": "never capture device graphs",
+}
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    load_format: str = "auto"
+    skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+    served_model_name: str | None = None
+    attention_backend: str | None = None
+    enforce_eager: bool = False
+    additional_config: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def create_vllm_config(self) -> VllmConfig:
+        return VllmConfig(
+            model_config=ModelConfig(
+                model=self.model,
+                tokenizer=self.tokenizer,
+                dtype=self.dtype,
+                seed=self.seed,
+                max_model_len=self.max_model_len,
+                skip_tokenizer_init=self.skip_tokenizer_init,
+                trust_remote_code=self.trust_remote_code,
+                served_model_name=self.served_model_name,
+            ),
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            ),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+                data_parallel_size=self.data_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,  # type: ignore[arg-type]
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+            ),
+            load_config=LoadConfig(load_format=self.load_format),
+            device_config=DeviceConfig(device=self.device),
+            attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
+            additional_config=dict(self.additional_config),
+        )
+
+    # -- command line -------------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ("additional_config",)) -> None:
+        """Add ``--model``, ``--max-model-len``, ... (one option per field) to ``parser``."""
+        group = parser.add_argument_group("engine options")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            hint = hints[f.name]
+            base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+            if base is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                   help=_HELP.get(f.name))
+            else:
+                group.add_argument(flag, type=base, default=f.default, help=_HELP.get(f.name),
+                                   dest=f.name)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{name: getattr(args, name) for name in cls.names() if hasattr(args, name)})

@@ -1,0 +1,105 @@
+"""EngineCore: the step loop (schedule -> execute -> update) around one executor."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from pagedlm.core.config import VllmConfig
+from pagedlm.core.executor import Executor
+from pagedlm.core.kv_cache import KVCacheManager
+from pagedlm.core.logger import init_logger
+from pagedlm.core.request import EngineCoreRequest, Request, RequestStatus
+from pagedlm.core.sched import EngineCoreOutput, Scheduler, SchedulerStats
+
+logger = init_logger(__name__)
+
+#: called once per step with that step's scheduler stats (see EngineCore.add_stats_listener)
+StatsListener = Callable[[SchedulerStats], None]
+
+
+class EngineCore:
+    def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor] | None = None) -> None:
+        vllm_config.finalize()
+        self.vllm_config = vllm_config
+        executor_class = executor_class or Executor.get_class(vllm_config)
+        self.executor = executor_class(vllm_config)
+        try:
+            num_blocks = self._initialize_kv_cache()
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        sc = vllm_config.scheduler_config
+        cc = vllm_config.cache_config
+        self.scheduler = Scheduler(
+            kv_cache_manager=KVCacheManager(
+                num_blocks=num_blocks,
+                block_size=cc.block_size,
+                enable_caching=cc.enable_prefix_caching,
+                max_model_len=vllm_config.max_model_len,
+            ),
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=int(sc.max_num_batched_tokens or 8192),
+            max_model_len=vllm_config.max_model_len,
+            enable_chunked_prefill=sc.enable_chunked_prefill,
+        )
+        self._stats_listeners: list[StatsListener] = []
+
+    def _initialize_kv_cache(self) -> int:
+        cc = self.vllm_config.cache_config
+        start = time.perf_counter()
+        num_blocks = self.executor.determine_num_available_blocks()
+        max_len = self.vllm_config.max_model_len
+        needed = -(-max_len // cc.block_size)
+        if num_blocks < needed:
+            bytes_per_block = self.executor.kv_cache_bytes_per_block()
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {cc.block_size} tokens "
+                f"({num_blocks * cc.block_size} tokens), but one request of max_model_len={max_len} needs "
+                f"{needed} blocks ({needed * bytes_per_block / 2**20:.1f} MiB). Raise num_gpu_blocks_override "
+                "(or kv_cache_memory_bytes / gpu_memory_utilization), or lower max_model_len."
+            )
+        self.executor.initialize_cache(num_blocks)
+        cc.num_gpu_blocks = num_blocks
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens; max concurrency %.1fx at max_model_len=%d (%.2fs)",
+            num_blocks, cc.block_size, num_blocks * cc.block_size, num_blocks / needed, max_len,
+            time.perf_counter() - start,
+        )
+        return num_blocks
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request.from_engine_core_request(request, self.vllm_config.max_model_len))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    # -- stepping ---------------------------------------------------------------------------
+    def add_stats_listener(self, listener: StatsListener) -> None:
+        """Receive a SchedulerStats sample after every step (costs nothing when none is set)."""
+        self._stats_listeners.append(listener)
+
+    def step(self) -> list[EngineCoreOutput]:
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self._stats_listeners:
+            stats = self.scheduler.make_stats()
+            for listener in self._stats_listeners:
+                listener(stats)
+        return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

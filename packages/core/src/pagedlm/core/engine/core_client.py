@@ -1,0 +1,44 @@
+"""How the front end talks to the engine core.
+
+``InprocClient`` calls the core directly (offline ``LLM``, tests). A background-process client
+over ZMQ implements the same methods.
+"""
+
+from __future__ import annotations
+
+from pagedlm.core.config import VllmConfig
+from pagedlm.core.engine.core import EngineCore
+from pagedlm.core.request import EngineCoreRequest
+from pagedlm.core.sched import EngineCoreOutput
+
+
+class EngineCoreClient:
+    def add_request(self, request: EngineCoreRequest) -> None:
+        raise NotImplementedError
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    def get_output(self) -> list[EngineCoreOutput]:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+
+class InprocClient(EngineCoreClient):
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.engine_core = EngineCore(vllm_config)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.engine_core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.engine_core.abort_requests(request_ids)
+
+    def get_output(self) -> list[EngineCoreOutput]:
+        return self.engine_core.step()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

@@ -1,0 +1,93 @@
+"""LLMEngine: the synchronous engine (add_request / step / abort) the ``LLM`` class drives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedlm.core.config import VllmConfig
+from pagedlm.core.engine.arg_utils import EngineArgs
+from pagedlm.core.engine.core_client import InprocClient
+from pagedlm.core.engine.output_processor import OutputProcessor
+from pagedlm.core.engine.processor import Processor, PromptType
+from pagedlm.core.engine.tokenizer import get_tokenizer
+from pagedlm.core.outputs import RequestOutput
+from pagedlm.core.request import EngineCoreRequest
+from pagedlm.core.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.vllm_config = vllm_config
+        mc = vllm_config.model_config
+        if mc.hf_config is None:
+            raise ValueError("no model given: pass model=DIR (a local HF model directory)")
+        self.tokenizer: Any | None = None
+        if not mc.skip_tokenizer_init:
+            assert mc.tokenizer is not None
+            self.tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code,
+                                           revision=mc.revision)
+        self.engine_core = InprocClient(vllm_config)
+        self.processor = Processor(vllm_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(engine_args.create_vllm_config())
+
+    def get_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer (skip_tokenizer_init=True)")
+        return self.tokenizer
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
+                    arrival_time: float | None = None, add_special_tokens: bool = True) -> None:
+        """Validate and queue a request; raises ValueError for bad input (nothing is queued)."""
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request_id={request_id!r} is already in the engine")
+        core_request, text = self.processor.process(request_id, prompt, params, arrival_time=arrival_time,
+                                                    add_special_tokens=add_special_tokens)
+        self.add_processed_request(core_request, text)
+
+    def add_processed_request(self, core_request: EngineCoreRequest, text: str | None) -> None:
+        """Queue a request that ``self.processor.process`` already validated."""
+        request_id = core_request.request_id
+        params = core_request.sampling_params
+        if params.n == 1:
+            children = [core_request]
+        else:
+            children = []
+            for i in range(params.n):
+                child_params = params.clone()
+                child_params.n = 1
+                if params.seed is not None:
+                    child_params.seed = params.seed + i
+                children.append(EngineCoreRequest(
+                    request_id=f"{i}_{request_id}", prompt_token_ids=core_request.prompt_token_ids,
+                    sampling_params=child_params, arrival_time=core_request.arrival_time,
+                ))
+        self.output_processor.add_request(
+            request_id, text, core_request.prompt_token_ids, params,
+            [c.request_id for c in children], [c.sampling_params for c in children],
+        )
+        for child in children:
+            self.engine_core.add_request(child)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine_core.get_output()
+        request_outputs, to_abort = self.output_processor.process_outputs(outputs)
+        self.engine_core.abort_requests(to_abort)
+        return request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    @property
+    def core(self):
+        """The in-process EngineCore (stats listeners, prefix-cache reset)."""
+        return self.engine_core.engine_core
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

@@ -1,0 +1,179 @@
+"""OutputProcessor: EngineCoreOutputs -> RequestOutputs (text, logprobs, stop strings, n > 1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedlm.core.engine.detokenizer import IncrementalDetokenizer
+from pagedlm.core.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from pagedlm.core.sampling_params import RequestOutputKind, SamplingParams
+from pagedlm.core.sched import EngineCoreOutput
+
+LogprobsLists = tuple[list[list[int]], list[list[float]], list[int]]
+
+
+@dataclass
+class _SequenceState:
+    """One generated sequence (a request, or one of the n children of a parent request)."""
+
+    request_id: str
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_tokens: int = 0
+    sent_text: int = 0
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: dict[str, _SequenceState]
+    prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, _RequestState] = {}
+        # child (engine) request id -> parent request id
+        self.parent_of: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, child_ids: list[str], child_params: list[SamplingParams]) -> None:
+        sequences = {}
+        for index, (child_id, p) in enumerate(zip(child_ids, child_params)):
+            detok = None
+            if self.tokenizer is not None and p.detokenize:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids, skip_special_tokens=p.skip_special_tokens,
+                    spaces_between_special_tokens=p.spaces_between_special_tokens, stop=list(p.stop or []),
+                    include_stop_str_in_output=p.include_stop_str_in_output,
+                )
+            sequences[child_id] = _SequenceState(
+                child_id, index, p, detok, logprobs=[] if p.logprobs is not None else None,
+                cumulative_logprob=0.0 if p.logprobs is not None else None,
+            )
+            self.parent_of[child_id] = request_id
+        self.requests[request_id] = _RequestState(request_id, prompt, prompt_token_ids, params, sequences)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forget parent requests; returns their engine (child) ids to abort in the core."""
+        child_ids = []
+        for req_id in request_ids:
+            state = self.requests.pop(req_id, None)
+            if state is None:
+                continue
+            for child_id in state.sequences:
+                self.parent_of.pop(child_id, None)
+                child_ids.append(child_id)
+        return child_ids
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns (outputs for the user, engine request ids to abort because a stop string hit)."""
+        touched: dict[str, _RequestState] = {}
+        to_abort: list[str] = []
+        for out in outputs:
+            parent_id = self.parent_of.get(out.request_id)
+            if parent_id is None:
+                continue
+            state = self.requests[parent_id]
+            seq = state.sequences[out.request_id]
+            state.num_cached_tokens = out.num_cached_tokens
+            if out.new_prompt_logprobs is not None and state.prompt_logprobs is None:
+                state.prompt_logprobs = self._prompt_logprobs(state.prompt_token_ids, out.new_prompt_logprobs)
+            if out.error is not None:
+                state.error = out.error
+            seq.token_ids.extend(out.new_token_ids)
+            if out.new_logprobs is not None and seq.logprobs is not None:
+                self._append_logprobs(seq, out.new_logprobs)
+            stop_str = seq.detokenizer.update(out.new_token_ids) if seq.detokenizer is not None else None
+            if stop_str is not None and out.finish_reason is None:
+                seq.finish_reason, seq.stop_reason = "stop", stop_str
+                to_abort.append(out.request_id)
+            elif stop_str is not None:
+                seq.finish_reason, seq.stop_reason = "stop", stop_str
+            elif out.finish_reason is not None:
+                seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+            touched[parent_id] = state
+
+        results = []
+        for parent_id, state in touched.items():
+            output = self._make_output(state)
+            if state.finished:
+                del self.requests[parent_id]
+                for child_id in state.sequences:
+                    self.parent_of.pop(child_id, None)
+            if output is not None:
+                results.append(output)
+        return results, to_abort
+
+    def _make_output(self, state: _RequestState) -> RequestOutput | None:
+        kind = state.params.output_kind
+        finished = state.finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        completions = []
+        for seq in sorted(state.sequences.values(), key=lambda s: s.index):
+            text = seq.detokenizer.text if seq.detokenizer is not None else ""
+            token_ids, logprobs = seq.token_ids, seq.logprobs
+            if delta:
+                token_ids, text = token_ids[seq.sent_tokens :], text[seq.sent_text :]
+                if logprobs is not None:
+                    logprobs = logprobs[seq.sent_tokens :]
+                seq.sent_tokens, seq.sent_text = len(seq.token_ids), seq.sent_text + len(text)
+            completions.append(
+                CompletionOutput(index=seq.index, text=text, token_ids=list(token_ids),
+                                 cumulative_logprob=seq.cumulative_logprob,
+                                 logprobs=list(logprobs) if logprobs is not None else None,
+                                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+            )
+        return RequestOutput(
+            request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=state.prompt_logprobs, outputs=completions, finished=finished,
+            num_cached_tokens=state.num_cached_tokens, error=state.error,
+        )
+
+    def _decode_token(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id])
+
+    def _logprob_dict(self, ids: list[int], values: list[float], rank: int) -> dict[int, Logprob]:
+        entry: dict[int, Logprob] = {}
+        # Column 0 is the sampled (or prompt) token with its true rank; the rest are ranks 1..k.
+        entry[ids[0]] = Logprob(values[0], rank, self._decode_token(ids[0]))
+        for r, (tid, value) in enumerate(zip(ids[1:], values[1:]), start=1):
+            if tid not in entry:
+                entry[tid] = Logprob(value, r, self._decode_token(tid))
+        return entry
+
+    def _append_logprobs(self, seq: _SequenceState, lists: LogprobsLists) -> None:
+        assert seq.logprobs is not None
+        for ids, values, rank in zip(*lists):
+            seq.logprobs.append(self._logprob_dict(ids, values, rank))
+            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + values[0]
+
+    def _prompt_logprobs(self, prompt_token_ids: list[int], lists: LogprobsLists) -> PromptLogprobs:
+        result: PromptLogprobs = [None]
+        for ids, values, rank in zip(*lists):
+            result.append(self._logprob_dict(ids, values, rank))
+        return result

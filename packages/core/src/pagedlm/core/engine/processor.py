@@ -1,0 +1,100 @@
+"""Processor: user prompt + SamplingParams -> validated, tokenized EngineCoreRequest."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any, Union
+
+from pagedlm.core.config import VllmConfig
+from pagedlm.core.request import EngineCoreRequest
+from pagedlm.core.sampling_params import SamplingParams
+
+#: a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [int, ...]}`` (vLLM's prompt types)
+PromptType = Union[str, Mapping[str, Any]]
+
+
+class Processor:
+    def __init__(self, vllm_config: VllmConfig, tokenizer: Any | None) -> None:
+        self.model_config = vllm_config.model_config
+        self.max_model_len = vllm_config.max_model_len
+        self.vocab_size = self.model_config.vocab_size
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(int(tokenizer.eos_token_id))
+
+    def tokenize_prompt(self, prompt: PromptType, *, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """Returns (prompt text or None, prompt token ids)."""
+        if isinstance(prompt, str):
+            text, token_ids = prompt, None
+        elif isinstance(prompt, Mapping):
+            text = prompt.get("prompt")
+            token_ids = prompt.get("prompt_token_ids")
+            if text is None and token_ids is None:
+                raise ValueError("prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}")
+        else:
+            raise ValueError(
+                f"prompt of type {type(prompt).__name__} is not supported: pass a string, "
+                "{'prompt': str} or {'prompt_token_ids': [int, ...]}"
+            )
+        if token_ids is None:
+            if not isinstance(text, str):
+                raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; this engine runs with skip_tokenizer_init=True")
+            token_ids = self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+        else:
+            if not isinstance(token_ids, (list, tuple)) or not all(isinstance(t, int) for t in token_ids):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            token_ids = list(token_ids)
+        return text, token_ids
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        add_special_tokens: bool = True,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self.tokenize_prompt(prompt, add_special_tokens=add_special_tokens)
+        self.validate(token_ids, params)
+        params = params.clone()
+        if not params.ignore_eos:
+            params.all_stop_token_ids |= self.eos_token_ids
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - len(token_ids)
+        if self.tokenizer is None:
+            params.detokenize = False
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+        )
+        return request, text
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        num = len(token_ids)
+        if num == 0:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        if num >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {num} tokens long but max_model_len={self.max_model_len} leaves no room for "
+                f"output; the prompt must be at most {self.max_model_len - 1} tokens"
+            )
+        if params.max_tokens is not None and num + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({num} tokens) + max_tokens ({params.max_tokens}) = {num + params.max_tokens} exceeds "
+                f"max_model_len={self.max_model_len}; lower max_tokens to at most {self.max_model_len - num}"
+            )
+        params.verify_for_model(self.vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine runs with skip_tokenizer_init=True")

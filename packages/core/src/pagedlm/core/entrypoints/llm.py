@@ -1,0 +1,168 @@
+"""``LLM``: the offline batch API (vLLM-compatible names)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pagedlm.core.engine.arg_utils import EngineArgs
+from pagedlm.core.engine.llm_engine import LLMEngine
+from pagedlm.core.engine.processor import PromptType
+from pagedlm.core.outputs import RequestOutput
+from pagedlm.core.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate text for batches of prompts with a paged-KV-cache engine.
+
+    Every engine option is a keyword argument (see :class:`EngineArgs`), e.g.
+    ``LLM(model="path/to/hf_dir", dtype="float32", device="cpu", enable_prefix_caching=False)``.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        num_gpu_blocks_override: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        tensor_parallel_size: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        unknown = sorted(set(kwargs) - set(EngineArgs.names()))
+        if unknown:
+            raise TypeError(f"LLM() got unknown options {unknown}; allowed: {sorted(EngineArgs.names())}")
+        if model is None:
+            raise ValueError("LLM() needs model=DIR: a local HF model directory (config.json + weights)")
+        engine_args = EngineArgs(
+            model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
+            block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+            num_gpu_blocks_override=num_gpu_blocks_override, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tensor_parallel_size, **kwargs,
+        )
+        self.llm_engine = LLMEngine.from_engine_args(engine_args)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    @property
+    def vllm_config(self):
+        return self.llm_engine.vllm_config
+
+    # -- generation -------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of ``prompts``.
+
+        A prompt is a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``. All prompts
+        are validated before any is queued, so one bad prompt raises ``ValueError`` and leaves the
+        engine untouched.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries but there are {len(prompts)} prompts; "
+                    "pass one SamplingParams or one per prompt"
+                )
+        return self._run(prompts, params_list, use_tqdm=use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of conversations (OpenAI-style messages)."""
+        tokenizer = self.get_tokenizer()
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            try:
+                token_ids = tokenizer.apply_chat_template(
+                    conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                    tokenize=True, return_dict=False,
+                )
+            except ValueError as e:
+                raise ValueError(f"cannot apply the chat template: {e}") from e
+            if isinstance(token_ids, dict) or hasattr(token_ids, "input_ids"):
+                token_ids = token_ids["input_ids"]
+            text = tokenizer.decode(token_ids)
+            prompts.append({"prompt": text, "prompt_token_ids": list(token_ids)})
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], *, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        # Validate everything first: a bad prompt must not leave half a batch queued.
+        processed = [
+            engine.processor.process(str(next(self._request_counter)), prompt, params)
+            for prompt, params in zip(prompts, params_list)
+        ]
+        request_ids = []
+        for core_request, text in processed:
+            engine.add_processed_request(core_request, text)
+            request_ids.append(core_request.request_id)
+        return self._run_engine(request_ids, use_tqdm=use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], *, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        pbar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            pbar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True,
+                        postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        start = time.perf_counter()
+        num_in = num_out = 0
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if not output.finished:
+                        continue
+                    finished[output.request_id] = output
+                    if pbar is not None:
+                        num_in += len(output.prompt_token_ids)
+                        num_out += sum(len(o.token_ids) for o in output.outputs)
+                        elapsed = time.perf_counter() - start
+                        pbar.postfix = (f"est. speed input: {num_in / elapsed:.2f} toks/s, "
+                                        f"output: {num_out / elapsed:.2f} toks/s")
+                        pbar.update(1)
+        except BaseException:
+            # Nothing is left half-run in the engine if the caller interrupts us.
+            engine.abort_request([r for r in request_ids if r not in finished])
+            raise
+        finally:
+            if pbar is not None:
+                pbar.close()
+        return [finished[r] for r in request_ids]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.core.reset_prefix_cache()

@@ -1,0 +1,3 @@
+from pagedlm.core.executor.abstract import Executor
+
+__all__ = ["Executor"]

@@ -1,0 +1,49 @@
+"""The executor: runs the workers of all ranks and hands back one rank's output."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from pagedlm.core.config import VllmConfig
+from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.vllm_config = vllm_config
+        self._init_executor()
+
+    @staticmethod
+    def get_class(vllm_config: VllmConfig) -> type[Executor]:
+        backend = vllm_config.parallel_config.distributed_executor_backend
+        if backend == "uni":
+            from pagedlm.core.executor.uniproc import UniProcExecutor
+
+            return UniProcExecutor
+        raise NotImplementedError(
+            f"distributed_executor_backend={backend!r} is not available in this build; use 'uni' "
+            "(tensor_parallel_size=1, pipeline_parallel_size=1)"
+        )
+
+    @abstractmethod
+    def _init_executor(self) -> None:
+        """Start the workers, init their devices and load the model."""
+
+    @abstractmethod
+    def determine_num_available_blocks(self) -> int:
+        """The number of KV blocks every rank can hold (the minimum over ranks)."""
+
+    @abstractmethod
+    def kv_cache_bytes_per_block(self) -> int: ...
+
+    @abstractmethod
+    def initialize_cache(self, num_blocks: int) -> None: ...
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def check_health(self) -> None:
+        """Raise if a worker is dead."""
+
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent)."""

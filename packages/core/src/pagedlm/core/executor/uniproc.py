@@ -1,0 +1,26 @@
+"""One worker in the engine's own process."""
+
+from __future__ import annotations
+
+from pagedlm.core.executor.abstract import Executor
+from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.worker.worker import Worker
+
+
+class UniProcExecutor(Executor):
+    def _init_executor(self) -> None:
+        self.worker = Worker(self.vllm_config, local_rank=0, rank=0)
+        self.worker.init_device()
+        self.worker.load_model()
+
+    def determine_num_available_blocks(self) -> int:
+        return self.worker.determine_num_available_blocks()
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return self.worker.kv_cache_bytes_per_block()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)

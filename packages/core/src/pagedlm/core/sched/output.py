@@ -1,0 +1,88 @@
+"""What the scheduler tells the workers each step, and what comes back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedlm.core.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have not seen before (first schedule)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the workers already hold, in schedule order.
+
+    NOTE: for a request resumed after preemption, ``new_block_ids[i]`` is its whole new block
+    table and ``token_ids[i]`` is its full token list (prompt + outputs); otherwise
+    ``new_block_ids[i]`` is appended to its table and ``token_ids[i]`` is None (the worker
+    already knows every token: it sampled them).
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    token_ids: list[list[int] | None] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    #: req_id -> number of tokens computed for it this step
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    #: requests finished or aborted since the last step: workers drop their state
+    finished_req_ids: set[str]
+    #: requests preempted this step: workers drop them from the batch but keep their state
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per scheduled request, in ``req_ids`` order."""
+
+    req_ids: list[str]
+    #: sampled tokens per request; empty for a prefill chunk that does not end the prompt
+    sampled_token_ids: list[list[int]]
+    #: req_id -> (token ids [n, k+1], logprobs [n, k+1], ranks [n]) of the sampled tokens
+    logprobs: dict[str, tuple[list[list[int]], list[list[float]], list[int]]] = field(default_factory=dict)
+    #: req_id -> same triple for prompt positions 1..P-1, sent once the prompt is done
+    prompt_logprobs: dict[str, tuple[list[list[int]], list[list[float]], list[int]]] = field(default_factory=dict)
+
+
+@dataclass
+class SchedulerStats:
+    """One sample per engine step (cheap counters; feeds logs, metrics and plots)."""
+
+    step: int = 0
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_blocks: int = 0
+    num_used_blocks: int = 0
+    num_cached_free_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    num_scheduled_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0

@@ -1,0 +1,300 @@
+"""The scheduler: which requests run this step, and how many of their tokens.
+
+There is no separate prefill or decode phase. Every request has ``num_computed_tokens`` and
+``num_tokens`` (prompt + outputs); each step gives each scheduled request up to
+``num_tokens - num_computed_tokens`` new tokens out of a shared budget. A long prompt is thus
+chunked across steps and decode tokens of other requests ride along in the same batch.
+
+Order of a step:
+  1. running requests, oldest first; when blocks run out, the newest running request is
+     preempted (its blocks are freed and it is recomputed later) until the current one fits;
+  2. waiting requests, FCFS, while budget, ``max_num_seqs`` and blocks allow (none are
+     admitted in a step that had to preempt).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from pagedlm.core.kv_cache import KVCacheManager
+from pagedlm.core.logger import init_logger
+from pagedlm.core.request import Request, RequestStatus
+from pagedlm.core.sched.output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+
+logger = init_logger(__name__)
+
+
+class EngineCoreOutput:
+    """New tokens (and maybe a finish) of one request after one step."""
+
+    __slots__ = (
+        "request_id", "new_token_ids", "finish_reason", "stop_reason", "new_logprobs",
+        "new_prompt_logprobs", "num_cached_tokens", "error",
+    )
+
+    def __init__(self, request_id: str, new_token_ids: list[int], finish_reason: str | None = None,
+                 stop_reason: int | str | None = None, new_logprobs=None, new_prompt_logprobs=None,
+                 num_cached_tokens: int = 0, error: str | None = None) -> None:
+        self.request_id = request_id
+        self.new_token_ids = new_token_ids
+        self.finish_reason = finish_reason
+        self.stop_reason = stop_reason
+        self.new_logprobs = new_logprobs
+        self.new_prompt_logprobs = new_prompt_logprobs
+        self.num_cached_tokens = num_cached_tokens
+        self.error = error
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Finished since the last schedule(): the workers must drop them.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions_total = 0
+        self._step = 0
+        self._last_stats = SchedulerStats()
+
+    # -- requests in and out ---------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id={request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish (e.g. abort) requests wherever they are; unknown ids are ignored."""
+        assert status.is_finished
+        finished = []
+        for req_id in request_ids:
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self._free(req)
+            finished.append(req)
+        return finished
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        preempted: list[Request] = []
+
+        # 1. running requests, oldest first.
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            # NOTE: every running request has at least one token to compute: either the rest of
+            # its prompt, or the token sampled in the previous step.
+            assert num_new_tokens > 0, request
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_blocks is None:
+                break
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            cached.req_ids.append(request.request_id)
+            cached.resumed_from_preemption.append(False)
+            cached.new_block_ids.append([b.block_id for b in new_blocks])
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            cached.token_ids.append(None)
+            index += 1
+
+        # 2. waiting requests, FCFS.
+        while not preempted and self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_computed
+            if num_new_tokens > token_budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new_tokens = token_budget
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, new_computed_blocks=computed_blocks, num_new_computed_tokens=num_computed
+            )
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+            if request.status == RequestStatus.PREEMPTED:
+                cached.req_ids.append(request.request_id)
+                cached.resumed_from_preemption.append(True)
+                cached.new_block_ids.append(list(block_ids))
+                cached.num_computed_tokens.append(num_computed)
+                cached.token_ids.append(list(request.all_token_ids))
+            else:
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=request.request_id,
+                        prompt_token_ids=request.prompt_token_ids,
+                        sampling_params=request.sampling_params,
+                        block_ids=list(block_ids),
+                        num_computed_tokens=num_computed,
+                    )
+                )
+            request.status = RequestStatus.RUNNING
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+
+        total = sum(num_scheduled_tokens.values())
+        assert total <= self.max_num_batched_tokens
+        assert len(self.running) <= self.max_num_seqs
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+        )
+        self.finished_req_ids = set()
+        self._update_stats(output, preempted)
+        # NOTE: tokens count as computed from the moment they are scheduled; a sampled token is
+        # appended in update_from_output and scheduled in the next step.
+        for req_id, num in num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num
+        return output
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+        logger.debug("preempted %s (no free KV blocks)", request.request_id)
+
+    # -- results ----------------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                # Aborted or preempted while the step ran: its tokens are dropped.
+                continue
+            prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
+            if not token_ids and prompt_logprobs is None:
+                continue
+            new_token_ids: list[int] = []
+            for token_id in token_ids:
+                request.append_output_token_ids([token_id])
+                new_token_ids.append(token_id)
+                if self._check_stop(request, token_id):
+                    break
+            logprobs = runner_output.logprobs.get(req_id)
+            if logprobs is not None and len(new_token_ids) < len(token_ids):
+                logprobs = tuple(x[: len(new_token_ids)] for x in logprobs)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=new_token_ids,
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                    new_logprobs=logprobs,
+                    new_prompt_logprobs=prompt_logprobs,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+            if request.is_finished:
+                self.running.remove(request)
+                self._free(request)
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        # NOTE: all_stop_token_ids = stop_token_ids plus the model's eos ids unless ignore_eos
+        # (filled by the Processor); only the user's own stop ids are reported as stop_reason.
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens and token_id in params.all_stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+            return True
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    # -- stats ------------------------------------------------------------------------------
+    def _update_stats(self, output: SchedulerOutput, preempted: list[Request]) -> None:
+        kv = self.kv_cache_manager
+        num_decode = sum(
+            1 for req_id, n in output.num_scheduled_tokens.items()
+            if n == 1 and self.requests[req_id].num_computed_tokens + 1 == self.requests[req_id].num_tokens
+            and self.requests[req_id].num_output_tokens > 0
+        )
+        self._step += 1
+        stats = kv.prefix_cache_stats
+        self._last_stats = SchedulerStats(
+            step=self._step,
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            num_blocks=kv.num_blocks,
+            num_used_blocks=kv.num_blocks - kv.num_free_blocks,
+            num_cached_free_blocks=kv.block_pool.num_cached_free_blocks,
+            kv_cache_usage=kv.usage,
+            num_preemptions=len(preempted),
+            num_scheduled_tokens=output.total_num_scheduled_tokens,
+            num_prefill_tokens=output.total_num_scheduled_tokens - num_decode,
+            num_decode_tokens=num_decode,
+            prefix_cache_queries=stats.num_queries_tokens,
+            prefix_cache_hits=stats.num_hit_tokens,
+        )
+
+    def make_stats(self) -> SchedulerStats:
+        return self._last_stats

@@ -1,0 +1,143 @@
+"""The model runner's persistent view of the requests it holds.
+
+Each request gets a row of two host tables that live as long as the request: its token ids
+(``[max_num_reqs, max_model_len]``) and its block table (``[max_num_reqs, max_blocks]``). A step's
+flat inputs are then gathered with vectorized numpy indexing instead of per-token Python loops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagedlm.core.sampling_params import SamplingParams
+from pagedlm.core.sched.output import SchedulerOutput
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    row: int
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    num_tokens: int
+    num_computed_tokens: int
+    num_blocks: int
+    output_token_ids: list[int] = field(default_factory=list)
+    #: prompt logprobs gathered over the prompt's chunks, sent when the prompt is done
+    prompt_logprobs_parts: list[tuple[list[list[int]], list[list[float]], list[int]]] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class StepInputs:
+    """Host-side flat inputs of one step. ``B`` requests, ``T`` tokens, in schedule order."""
+
+    req_ids: list[str]
+    rows: np.ndarray  # [B] table rows
+    num_scheduled: np.ndarray  # [B]
+    num_computed: np.ndarray  # [B] context in cache before this step
+    query_start_loc: np.ndarray  # [B + 1]
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    seq_lens: np.ndarray  # [B]
+    block_table: np.ndarray  # [B, max_blocks_in_step]
+    #: batch indices of requests whose last scheduled token is their last known token
+    sample_indices: np.ndarray  # [S]
+
+
+class InputBatch:
+    def __init__(self, *, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int,
+                 device: torch.device) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        self.max_blocks_per_req = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
+        self.requests: dict[str, CachedRequestState] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    # -- applying the scheduler's decisions ---------------------------------------------------
+    def update(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids:
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                self._free_rows.append(state.row)
+        for new in sched.scheduled_new_reqs:
+            if not self._free_rows:
+                raise RuntimeError(f"more than max_num_reqs={self.max_num_reqs} requests in the model runner")
+            row = self._free_rows.pop()
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None and not params.greedy:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
+            num_prompt = len(new.prompt_token_ids)
+            self.token_ids[row, :num_prompt] = new.prompt_token_ids
+            self.block_table[row, : len(new.block_ids)] = new.block_ids
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id, row=row, prompt_token_ids=list(new.prompt_token_ids), sampling_params=params,
+                generator=generator, num_tokens=num_prompt, num_computed_tokens=new.num_computed_tokens,
+                num_blocks=len(new.block_ids),
+            )
+        cached = sched.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            new_block_ids = cached.new_block_ids[i]
+            if cached.resumed_from_preemption[i]:
+                state.num_blocks = 0
+                token_ids = cached.token_ids[i]
+                assert token_ids is not None
+                self.token_ids[state.row, : len(token_ids)] = token_ids
+                state.num_tokens = len(token_ids)
+            if new_block_ids:
+                start = state.num_blocks
+                self.block_table[state.row, start : start + len(new_block_ids)] = new_block_ids
+                state.num_blocks += len(new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+
+    def append_sampled(self, state: CachedRequestState, token_id: int) -> None:
+        if state.num_tokens < self.max_model_len:
+            self.token_ids[state.row, state.num_tokens] = token_id
+        state.num_tokens += 1
+        state.output_token_ids.append(token_id)
+
+    # -- building a step's flat inputs --------------------------------------------------------
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        req_ids = list(sched.num_scheduled_tokens)
+        states = [self.requests[r] for r in req_ids]
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        num_scheduled = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(states))
+        num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
+        query_start_loc = np.zeros(len(states) + 1, dtype=np.int64)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        total = int(query_start_loc[-1])
+        # Per flat token: which request (batch index) it belongs to and its offset in the chunk.
+        token_req = np.repeat(np.arange(len(states)), num_scheduled)
+        offsets = np.arange(total) - query_start_loc[:-1][token_req]
+        positions = num_computed[token_req] + offsets
+        token_rows = rows[token_req]
+        input_ids = self.token_ids[token_rows, positions]
+        seq_lens = num_computed + num_scheduled
+        max_blocks = int(-(-seq_lens.max() // self.block_size)) if len(states) else 0
+        block_table = self.block_table[rows, :max_blocks]
+        block_ids = self.block_table[token_rows, positions // self.block_size].astype(np.int64)
+        slot_mapping = block_ids * self.block_size + positions % self.block_size
+        num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
+        sample_indices = np.nonzero(seq_lens >= num_tokens)[0]
+        return StepInputs(
+            req_ids=req_ids, rows=rows, num_scheduled=num_scheduled, num_computed=num_computed,
+            query_start_loc=query_start_loc, input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+            seq_lens=seq_lens, block_table=block_table, sample_indices=sample_indices,
+        )

@@ -1,0 +1,161 @@
+"""The model runner: scheduler output in, sampled token ids out, for one device."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from pagedlm.core.attention.backend import AttentionBackend, CommonAttentionMetadata
+from pagedlm.core.attention.selector import get_attn_backend_cls
+from pagedlm.core.config import VllmConfig
+from pagedlm.core.forward_context import set_forward_context
+from pagedlm.core.logger import init_logger
+from pagedlm.core.model_loader import load_model
+from pagedlm.core.sample import Sampler, build_sampling_metadata, compute_topk_logprobs
+from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.worker.input_batch import InputBatch, StepInputs
+
+logger = init_logger(__name__)
+
+LogprobsLists = tuple[list[list[int]], list[list[float]], list[int]]
+
+
+class ModelRunner:
+    def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
+        self.vllm_config = vllm_config
+        self.device = device
+        mc = vllm_config.model_config
+        self.dtype: torch.dtype = mc.dtype  # type: ignore[assignment]
+        self.block_size = vllm_config.cache_config.block_size
+        self.max_model_len = vllm_config.max_model_len
+        self.attn_backend: type[AttentionBackend] = get_attn_backend_cls(vllm_config)
+        self.attn_backend.validate(head_size=mc.head_dim, dtype=self.dtype)
+        self.sampler = Sampler()
+        self.model: torch.nn.Module | None = None
+        self.attention_layers: dict = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.input_batch = InputBatch(
+            max_num_reqs=vllm_config.scheduler_config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            vocab_size=mc.vocab_size,
+            device=device,
+        )
+        self.metadata_builder = self.attn_backend.get_builder_cls()(block_size=self.block_size, device=device)
+
+    # -- set-up -----------------------------------------------------------------------------
+    def load_model(self) -> None:
+        start = time.perf_counter()
+        self.model, self.attention_layers = load_model(self.vllm_config, self.attn_backend, self.device)
+        logger.info("loaded %s in %.2fs (%s, %s)", type(self.model).__name__, time.perf_counter() - start,
+                    self.dtype, self.device)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        total = 0
+        for layer in self.attention_layers.values():
+            shape = self.attn_backend.get_kv_cache_shape(1, self.block_size, layer.num_kv_heads, layer.head_size)
+            total += int(np.prod(shape)) * self.dtype.itemsize
+        return total
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = []
+        for layer in self.attention_layers.values():
+            shape = self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads,
+                                                         layer.head_size)
+            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.kv_cache = cache
+            self.kv_caches.append(cache)
+
+    # -- one step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        batch = self.input_batch
+        batch.update(sched)
+        if sched.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        step = batch.prepare(sched)
+        metadata = self.metadata_builder.build(self._common_metadata(step))
+        input_ids = torch.from_numpy(step.input_ids).to(self.device, non_blocking=True)
+        positions = torch.from_numpy(step.positions).to(self.device, non_blocking=True)
+        assert self.model is not None
+        with set_forward_context(metadata):
+            hidden_states = self.model(input_ids, positions)
+
+        states = [batch.requests[r] for r in step.req_ids]
+        prompt_logprobs = self._prompt_logprobs(step, states, hidden_states)
+
+        sampled: list[list[int]] = [[] for _ in step.req_ids]
+        logprobs: dict[str, LogprobsLists] = {}
+        if len(step.sample_indices):
+            sample_states = [states[i] for i in step.sample_indices]
+            logits_indices = torch.from_numpy(step.query_start_loc[1:][step.sample_indices] - 1).to(self.device)
+            logits = self.model.compute_logits(hidden_states[logits_indices])
+            generators = {i: s.generator for i, s in enumerate(sample_states) if s.generator is not None}
+            metadata_s = build_sampling_metadata(
+                [s.sampling_params for s in sample_states],
+                prompt_token_ids=[s.prompt_token_ids for s in sample_states],
+                output_token_ids=[s.output_token_ids for s in sample_states],
+                vocab_size=logits.shape[-1],
+                device=self.device,
+                generators=generators,
+            )
+            out = self.sampler(logits, metadata_s)
+            token_ids = out.sampled_token_ids.tolist()  # the one device-to-host copy of the step
+            lp = out.logprobs_tensors.tolists() if out.logprobs_tensors is not None else None
+            for j, (i, state) in enumerate(zip(step.sample_indices, sample_states)):
+                sampled[i] = [token_ids[j]]
+                batch.append_sampled(state, token_ids[j])
+                k = state.sampling_params.logprobs
+                if lp is not None and k is not None:
+                    logprobs[state.req_id] = ([lp[0][j][: k + 1]], [lp[1][j][: k + 1]], [lp[2][j]])
+        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
+                                 prompt_logprobs=prompt_logprobs)
+
+    def _common_metadata(self, step: StepInputs) -> CommonAttentionMetadata:
+        dev = self.device
+
+        def to_dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(a).to(device=dev, dtype=dtype, non_blocking=True)
+
+        qsl_cpu = torch.from_numpy(step.query_start_loc).to(torch.int32)
+        seq_lens_cpu = torch.from_numpy(step.seq_lens).to(torch.int32)
+        return CommonAttentionMetadata(
+            query_start_loc=qsl_cpu.to(dev),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens=seq_lens_cpu.to(dev),
+            seq_lens_cpu=seq_lens_cpu,
+            num_computed_tokens_cpu=torch.from_numpy(step.num_computed).to(torch.int32),
+            block_table=to_dev(np.ascontiguousarray(step.block_table), torch.int32),
+            slot_mapping=to_dev(step.slot_mapping, torch.int64),
+            num_reqs=len(step.req_ids),
+            num_actual_tokens=int(step.query_start_loc[-1]),
+            max_query_len=int(step.num_scheduled.max()),
+            max_seq_len=int(step.seq_lens.max()),
+        )
+
+    def _prompt_logprobs(self, step: StepInputs, states: list, hidden_states: torch.Tensor) -> dict[str, LogprobsLists]:
+        """Logprobs of prompt tokens 1..P-1, computed chunk by chunk and sent when the prompt ends."""
+        done: dict[str, LogprobsLists] = {}
+        assert self.model is not None
+        for i, state in enumerate(states):
+            k = state.sampling_params.prompt_logprobs
+            if k is None or state.prompt_logprobs_sent:
+                continue
+            start = int(step.num_computed[i])
+            end = min(start + int(step.num_scheduled[i]), state.num_prompt_tokens - 1)
+            if end > start:
+                rows = int(step.query_start_loc[i]) + torch.arange(end - start, device=self.device)
+                logits = self.model.compute_logits(hidden_states[rows])
+                targets = torch.tensor(state.prompt_token_ids[start + 1 : end + 1], device=self.device)
+                tensors = compute_topk_logprobs(torch.log_softmax(logits.float(), dim=-1), k, targets)
+                state.prompt_logprobs_parts.append(tensors.tolists())
+            if start + int(step.num_scheduled[i]) >= state.num_prompt_tokens:
+                parts = state.prompt_logprobs_parts
+                done[state.req_id] = (
+                    [x for p in parts for x in p[0]], [x for p in parts for x in p[1]], [x for p in parts for x in p[2]]
+                )
+                state.prompt_logprobs_parts = []
+                state.prompt_logprobs_sent = True
+        return done
