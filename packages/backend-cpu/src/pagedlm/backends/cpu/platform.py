@@ -1,0 +1,124 @@
+"""The CPU platform: plain torch on host memory."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedlm.core import envs
+from pagedlm.core.logger import init_logger
+from pagedlm.core.platforms import Platform
+
+if TYPE_CHECKING:
+    from pagedlm.core.config import VllmConfig
+
+logger = init_logger(__name__)
+
+GiB = 1 << 30
+#: KV-cache size when neither the config nor PAGEDLM_CPU_KVCACHE_SPACE names one
+DEFAULT_KV_CACHE_BYTES = 4 * GiB
+
+
+class CpuPlatform(Platform):
+    """Runs everything on the host with plain torch and the ``cpu_paged`` attention backend."""
+
+    device_name = "cpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+    default_dtype = torch.float32
+    # float16 is listed because torch's CPU matmul/SDPA kernels accept it (checked on torch 2.x);
+    # it is slow there, so float32 stays the default.
+    supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    supports_graphs = False
+
+    def get_attn_backend_name(self, vllm_config: VllmConfig) -> str:
+        return "cpu_paged"
+
+    def check_and_update_config(self, vllm_config: VllmConfig) -> None:
+        # There are no device graphs on the CPU: every step runs eagerly.
+        if not vllm_config.enforce_eager:
+            logger.debug("CPU platform: setting enforce_eager=True (no graph capture on the CPU)")
+        vllm_config.enforce_eager = True
+
+    def kv_cache_memory_bytes(self, vllm_config: VllmConfig, device: torch.device) -> int:
+        """Host bytes for the KV cache.
+
+        ``cache_config.kv_cache_memory_bytes`` if set, else ``PAGEDLM_CPU_KVCACHE_SPACE`` GiB, else
+        4 GiB; always capped at half the host memory available now, because the KV cache is
+        allocated up front and swapping it out would make every step crawl.
+        """
+        requested = vllm_config.cache_config.kv_cache_memory_bytes
+        source = "cache_config.kv_cache_memory_bytes"
+        if requested is None:
+            env_gib = envs.cpu_kv_cache_space_gib()
+            if env_gib is not None:
+                requested, source = int(env_gib * GiB), "PAGEDLM_CPU_KVCACHE_SPACE"
+            else:
+                requested, source = DEFAULT_KV_CACHE_BYTES, "the default"
+        if requested <= 0:
+            raise ValueError(f"KV-cache size from {source} must be positive; got {requested} bytes")
+        available = available_host_memory_bytes()
+        if available is None:
+            return requested
+        cap = available // 2
+        if requested > cap:
+            logger.warning(
+                "KV cache of %.2f GiB (from %s) exceeds half of the available host memory; using %.2f GiB",
+                requested / GiB, source, cap / GiB,
+            )
+            return cap
+        return requested
+
+    def memory_summary(self) -> str:
+        available = available_host_memory_bytes()
+        if available is None:
+            return "available host memory: unknown"
+        return f"available host memory: {available / GiB:.2f} GiB"
+
+
+def available_host_memory_bytes() -> int | None:
+    """Host memory that can be allocated now without swapping, or ``None`` if unknown.
+
+    psutil when installed; otherwise ``MemAvailable`` from /proc/meminfo. A cgroup v2 limit
+    (containers) is honoured too, because MemAvailable reports the whole host's memory.
+    """
+    available: int | None = None
+    try:
+        import psutil  # optional dependency
+
+        available = int(psutil.virtual_memory().available)
+    except ImportError:
+        available = _meminfo_available()
+    cgroup = _cgroup_available()
+    if cgroup is not None:
+        available = cgroup if available is None else min(available, cgroup)
+    return available
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file reports kB
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _cgroup_available() -> int | None:
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read().strip())
+        return max(int(limit) - current, 0)
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,28 @@
+"""pagedlm-backend-cpu's hook implementations.
+
+NOTE: only hook implementations and class-path strings live here. The plugin module is imported
+in every process that loads plugins, so the platform and attention modules are named as
+``"module:Class"`` strings and imported only once the CPU platform or backend is selected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pagedlm.core.plugins import hookimpl
+
+
+def _always_available() -> bool:
+    # Every host has a CPU; a named function (not a lambda) reads better in registry dumps.
+    return True
+
+
+@hookimpl
+def pagedlm_register_platforms(register: Callable[..., None]) -> None:
+    # Priority 0: any accelerator platform (CUDA registers 10) wins device="auto" when present.
+    register("cpu", "pagedlm.backends.cpu.platform:CpuPlatform", is_available=_always_available, priority=0)
+
+
+@hookimpl
+def pagedlm_register_attention_backends(register: Callable[[str, str], None]) -> None:
+    register("cpu_paged", "pagedlm.backends.cpu.attention:CpuPagedAttentionBackend")

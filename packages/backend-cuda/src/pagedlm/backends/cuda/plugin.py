@@ -1,0 +1,31 @@
+"""pagedlm-backend-cuda's hook implementations.
+
+NOTE: only hook implementations and class-path strings live here; triton and every CUDA-only
+module are imported later, once the CUDA platform has been selected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pagedlm.core.plugins import hookimpl
+
+
+def cuda_is_available() -> bool:
+    """Cheap probe: ``torch.cuda.is_available()``, never raising.
+
+    It neither imports triton nor creates a CUDA context, so calling it before forking worker
+    processes is safe. A broken driver or a CPU-only torch build reads as "not available".
+    """
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - any probe failure means "not available"
+        return False
+
+
+@hookimpl
+def pagedlm_register_platforms(register: Callable[..., None]) -> None:
+    # Priority 10: beats the CPU platform (0) for device="auto" whenever a GPU is usable.
+    register("cuda", "pagedlm.backends.cuda.platform:CudaPlatform", is_available=cuda_is_available, priority=10)

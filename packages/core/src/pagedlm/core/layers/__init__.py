@@ -1,0 +1,52 @@
+"""Model building blocks shared by every model package.
+
+Layers are tensor-parallel aware: they read this process's TP rank and size from
+:mod:`pagedlm.core.distributed` when built and hold only this rank's shard of each weight.
+Every parameter carries ``param.weight_loader(param, loaded_weight, shard_id=None)``, which
+takes the *full* checkpoint tensor and copies this rank's slice, so model ``load_weights``
+methods never do sharding arithmetic themselves.
+"""
+
+from pagedlm.core.layers.activation import GeluAndMul, SiluAndMul, get_act_and_mul_fn
+from pagedlm.core.layers.layernorm import RMSNorm
+from pagedlm.core.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from pagedlm.core.layers.rotary import RotaryEmbedding, get_rope
+from pagedlm.core.layers.vocab_embedding import (
+    LogitsProcessor,
+    ParallelLMHead,
+    VocabParallelEmbedding,
+    compute_logits,
+)
+
+__all__ = [
+    "ColumnParallelLinear",
+    "GeluAndMul",
+    "LinearBase",
+    "LogitsProcessor",
+    "MergedColumnParallelLinear",
+    "ParallelLMHead",
+    "QKVParallelLinear",
+    "RMSNorm",
+    "ReplicatedLinear",
+    "RotaryEmbedding",
+    "RowParallelLinear",
+    "SiluAndMul",
+    "VocabParallelEmbedding",
+    "compute_logits",
+    "get_act_and_mul_fn",
+    "get_rope",
+    "maybe_prefix",
+]
+
+
+def maybe_prefix(prefix: str, name: str) -> str:
+    """Join module-path parts: ``maybe_prefix("", "model") == "model"``,
+    ``maybe_prefix("model", "norm") == "model.norm"``."""
+    return f"{prefix}.{name}" if prefix else name

@@ -1,0 +1,336 @@
+"""Tensor-parallel linear layers.
+
+Weights follow ``torch.nn.Linear``'s layout, ``[output_size, input_size]``. With ``tp`` ranks:
+
+- :class:`ColumnParallelLinear` splits the *output* dimension: rank ``r`` holds rows
+  ``[r * out/tp, (r+1) * out/tp)`` and produces that slice of the output.
+- :class:`RowParallelLinear` splits the *input* dimension: rank ``r`` holds columns
+  ``[r * in/tp, (r+1) * in/tp)``, produces a partial sum, and the ranks all-reduce.
+- :class:`MergedColumnParallelLinear` and :class:`QKVParallelLinear` are column-parallel layers
+  whose output is several checkpoint tensors stacked (gate/up, q/k/v); each rank stacks *its*
+  slice of each, so ``[q_r | k_r | v_r]`` is contiguous on rank ``r``.
+
+Every parameter has ``param.weight_loader(param, loaded_weight, shard_id=None)`` taking the
+full checkpoint tensor (or, for merged layers, one of the stacked tensors named by
+``shard_id``) and copying this rank's slice into place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedlm.core.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+from pagedlm.core.model_loader.weight_utils import (
+    default_weight_loader,
+    set_weight_attrs,
+)
+
+__all__ = [
+    "ColumnParallelLinear",
+    "LinearBase",
+    "MergedColumnParallelLinear",
+    "QKVParallelLinear",
+    "ReplicatedLinear",
+    "RowParallelLinear",
+    "divide",
+]
+
+
+def divide(numerator: int, denominator: int, what: str = "size") -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what}={numerator} is not divisible by the tensor-parallel size {denominator}")
+    return numerator // denominator
+
+
+def _rows(t: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    # Plain slicing (not narrow) so a lazy safetensors slice can be passed instead of a tensor
+    # and only these rows are read from disk.
+    return t[start : start + size]
+
+
+def _check_shape(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(
+            f"{name}: checkpoint tensor has shape {tuple(loaded.shape)}, this rank's parameter expects "
+            f"{tuple(param.shape)}"
+        )
+
+
+class LinearBase(nn.Module):
+    """Common constructor: ``weight [out_per_rank, in_per_rank]``, optional ``bias``.
+
+    Subclasses set ``self.output_size_per_partition`` / ``self.input_size_per_partition``
+    before calling :meth:`_create_params`.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.prefix = prefix
+        # NOTE: read once at construction; the executor initialises the TP group before
+        # building the model, and a layer's shard never changes afterwards.
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.input_size_per_partition = input_size
+        self.output_size_per_partition = output_size
+        self.has_bias = bias
+
+    def _create_params(self, bias_size: int) -> None:
+        # Values are garbage until a weight loader (or dummy init) fills them.
+        self.weight = nn.Parameter(
+            torch.empty(self.output_size_per_partition, self.input_size_per_partition, dtype=self.params_dtype),
+            requires_grad=False,
+        )
+        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
+        if self.has_bias:
+            self.bias = nn.Parameter(torch.empty(bias_size, dtype=self.params_dtype), requires_grad=False)
+            set_weight_attrs(self.bias, {"weight_loader": self.weight_loader})
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size_per_partition}, out={self.output_size_per_partition}, "
+            f"bias={self.has_bias}, tp_size={self.tp_size}"
+        )
+
+
+class ReplicatedLinear(LinearBase):
+    """A linear layer every rank holds whole. ``x [T, in] -> [T, out]``."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(input_size, output_size, bias, params_dtype, prefix)
+        self._create_params(output_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        default_weight_loader(param, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output dimension split across ranks.
+
+    ``x [T, in] -> [T, out / tp]``, or ``[T, out]`` with ``gather_output=True`` (all-gather).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        gather_output: bool = False,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(input_size, output_size, bias, params_dtype, prefix)
+        self.gather_output = gather_output
+        self.output_size_per_partition = self._output_size_per_partition()
+        self._create_params(self.output_size_per_partition)
+
+    def _output_size_per_partition(self) -> int:
+        return divide(self.output_size, self.tp_size, f"{self.prefix or 'linear'} output_size")
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{self.prefix}: ColumnParallelLinear takes no shard_id (got {shard_id!r})")
+        size = param.shape[0]
+        shard = _rows(loaded_weight, self.tp_rank * size, size)
+        _check_shape(param, shard, self.prefix)
+        param.data.copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        if self.gather_output and self.tp_size > 1:
+            out = tensor_model_parallel_all_gather(out, dim=-1)
+        return out
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs stacked into one matmul (e.g. ``gate_up_proj``).
+
+    ``output_sizes`` are the full (unsharded) sizes of the stacked tensors; shard ids are their
+    indices (``0`` = gate, ``1`` = up). ``x [T, in] -> [T, sum(output_sizes) / tp]`` laid out
+    as ``[shard0_r | shard1_r | ...]``.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        gather_output: bool = False,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(self.output_sizes), bias, gather_output, params_dtype, prefix)
+
+    def _output_size_per_partition(self) -> int:
+        for i, size in enumerate(self.output_sizes):
+            divide(size, self.tp_size, f"{self.prefix or 'linear'} output_sizes[{i}]")
+        return sum(self.output_sizes) // self.tp_size
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id is None:
+            # A checkpoint that already stores the fused tensor: split it and load each part.
+            offset = 0
+            for i, size in enumerate(self.output_sizes):
+                self.weight_loader(param, _rows(loaded_weight, offset, size), i)
+                offset += size
+            return
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"{self.prefix}: shard_id must be 0..{len(self.output_sizes) - 1}, got {shard_id!r}")
+        size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        dst = param.data.narrow(0, offset, size)
+        src = _rows(loaded_weight, self.tp_rank * size, size)
+        _check_shape(dst, src, f"{self.prefix}[{shard_id}]")
+        dst.copy_(src)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The fused q/k/v projection, split across ranks by attention head.
+
+    Rank ``r`` holds query heads ``[r * H/tp, (r+1) * H/tp)``. When ``tp <= Hkv`` it holds KV
+    heads ``[r * Hkv/tp, ...)``; when ``tp > Hkv`` each KV head is replicated on ``tp / Hkv``
+    consecutive ranks and rank ``r`` holds KV head ``r // (tp / Hkv)`` alone.
+
+    ``x [T, hidden] -> [T, (H_r + 2 * Hkv_r) * head_size]`` laid out ``[q_r | k_r | v_r]``.
+    Shard ids are ``"q"``, ``"k"``, ``"v"``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int | None = None,
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+    ) -> None:
+        self.hidden_size = hidden_size
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads or total_num_heads
+        output_size = (self.total_num_heads + 2 * self.total_num_kv_heads) * head_size
+        super().__init__(hidden_size, output_size, bias, False, params_dtype, prefix)
+
+    def _output_size_per_partition(self) -> int:
+        tp = self.tp_size
+        self.num_heads = divide(self.total_num_heads, tp, f"{self.prefix or 'qkv'} num_attention_heads")
+        if tp >= self.total_num_kv_heads:
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = divide(tp, self.total_num_kv_heads, "tensor_parallel_size / num_kv_heads")
+        else:
+            self.num_kv_heads = divide(self.total_num_kv_heads, tp, f"{self.prefix or 'qkv'} num_key_value_heads")
+            self.num_kv_head_replicas = 1
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_size
+
+    def _shard_layout(self, shard_id: str) -> tuple[int, int, int]:
+        """(offset in this rank's param, size, start in the full checkpoint tensor), in rows."""
+        q_size = self.num_heads * self.head_size
+        kv_size = self.num_kv_heads * self.head_size
+        if shard_id == "q":
+            return 0, q_size, self.tp_rank * q_size
+        # NOTE: replicated KV heads: ranks r*rep .. r*rep+rep-1 all read KV head r.
+        kv_start = (self.tp_rank // self.num_kv_head_replicas) * kv_size
+        if shard_id == "k":
+            return q_size, kv_size, kv_start
+        if shard_id == "v":
+            return q_size + kv_size, kv_size, kv_start
+        raise ValueError(f"{self.prefix}: shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id is None:
+            q = self.total_num_heads * self.head_size
+            kv = self.total_num_kv_heads * self.head_size
+            for sid, start, size in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
+                self.weight_loader(param, _rows(loaded_weight, start, size), sid)
+            return
+        offset, size, start = self._shard_layout(shard_id)
+        dst = param.data.narrow(0, offset, size)
+        src = _rows(loaded_weight, start, size)
+        _check_shape(dst, src, f"{self.prefix}[{shard_id}]")
+        dst.copy_(src)
+
+
+class RowParallelLinear(LinearBase):
+    """Input dimension split across ranks; partial outputs are all-reduced.
+
+    ``x [T, in / tp]`` (``input_is_parallel=True``, the output of a column-parallel layer) or
+    ``x [T, in]`` (this rank's slice is taken) ``-> [T, out]``. The bias is held whole on
+    every rank and added once, after the reduction.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        input_is_parallel: bool = True,
+        reduce_results: bool = True,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(input_size, output_size, bias, params_dtype, prefix)
+        self.input_is_parallel = input_is_parallel
+        self.reduce_results = reduce_results
+        self.input_size_per_partition = divide(input_size, self.tp_size, f"{prefix or 'linear'} input_size")
+        self._create_params(output_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{self.prefix}: RowParallelLinear takes no shard_id (got {shard_id!r})")
+        if param.dim() == 2:
+            size = param.shape[1]
+            start = self.tp_rank * size
+            loaded_weight = loaded_weight[:, start : start + size]
+        _check_shape(param, loaded_weight, self.prefix)
+        param.data.copy_(loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel and self.tp_size > 1:
+            size = self.input_size_per_partition
+            x = x.narrow(-1, self.tp_rank * size, size)
+        if self.tp_size == 1:
+            # Fusing the bias into the matmul matches nn.Linear exactly.
+            return F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.weight)
+        if self.reduce_results:
+            out = tensor_model_parallel_all_reduce(out)
+        # NOTE: without the reduction the caller sums partial outputs itself, so adding the
+        # bias here would count it tp times; it is then the caller's to add.
+        if self.bias is not None and self.reduce_results:
+            out = out + self.bias
+        return out

@@ -1,0 +1,133 @@
+"""Vocabulary-parallel token embedding, LM head and logits.
+
+With ``tp`` ranks the vocabulary ``V`` is padded to ``V_pad`` (a multiple of ``tp``) and rank
+``r`` holds rows ``[r * V_pad/tp, (r+1) * V_pad/tp)`` of the ``[V_pad, hidden]`` table; rows
+``>= V`` are zero padding and never produce logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedlm.core.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+from pagedlm.core.model_loader.weight_utils import set_weight_attrs
+
+__all__ = ["LogitsProcessor", "ParallelLMHead", "VocabParallelEmbedding", "compute_logits"]
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``input_ids [T] -> [T, embedding_dim]``; each rank looks up the ids in its vocab range
+    and the ranks all-reduce (every id is owned by exactly one rank)."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.prefix = prefix
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.num_embeddings_padded = -(-num_embeddings // self.tp_size) * self.tp_size
+        self.num_embeddings_per_partition = self.num_embeddings_padded // self.tp_size
+        #: this rank's vocab range [vocab_start, vocab_end) in real (unpadded) ids
+        self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition, num_embeddings)
+        dtype = params_dtype or torch.get_default_dtype()
+        self.weight = nn.Parameter(
+            torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=dtype), requires_grad=False
+        )
+        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        """``loaded_weight [V, hidden]``, the full checkpoint table; copies rows of this rank."""
+        if loaded_weight.shape[0] != self.num_embeddings or loaded_weight.shape[1:] != param.shape[1:]:
+            raise ValueError(
+                f"{self.prefix}: checkpoint tensor has shape {tuple(loaded_weight.shape)}, expected "
+                f"({self.num_embeddings}, {param.shape[1]})"
+            )
+        n = self.vocab_end - self.vocab_start
+        param.data[:n].copy_(loaded_weight.narrow(0, self.vocab_start, n))
+        # NOTE: padding rows stay zero so padded logits are 0 before they are sliced off.
+        param.data[n:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(in_range, input_ids - self.vocab_start, torch.zeros_like(input_ids))
+        out = F.embedding(local_ids, self.weight)
+        out = out * in_range.unsqueeze(-1).to(out.dtype)
+        return tensor_model_parallel_all_reduce(out)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_embeddings={self.num_embeddings}, per_partition={self.num_embeddings_per_partition}, "
+            f"embedding_dim={self.embedding_dim}, tp_size={self.tp_size}"
+        )
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection ``hidden -> vocab``, sharded like :class:`VocabParallelEmbedding`.
+
+    It is not called directly; :class:`LogitsProcessor` multiplies by its ``weight``.
+    """
+
+    def tie_weights(self, embedding: VocabParallelEmbedding) -> ParallelLMHead:
+        """Share the embedding table (``tie_word_embeddings``): one Parameter, loaded once."""
+        if embedding.weight.shape != self.weight.shape:
+            raise ValueError(
+                f"cannot tie lm_head {tuple(self.weight.shape)} to embedding {tuple(embedding.weight.shape)}"
+            )
+        self.weight = embedding.weight
+        return self
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover - misuse guard
+        raise RuntimeError("ParallelLMHead is applied through LogitsProcessor, not called directly")
+
+
+def compute_logits(lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor, vocab_size: int | None = None,
+                   scale: float = 1.0, soft_cap: float | None = None) -> torch.Tensor:
+    """``hidden_states [N, hidden] -> logits [N, vocab_size]`` float32, gathered across TP ranks.
+
+    The matmul runs in the model dtype (as HF's ``lm_head`` does) and the result is cast to
+    float32; padding columns of the vocab are dropped.
+    """
+    logits = F.linear(hidden_states, lm_head.weight)
+    if lm_head.tp_size > 1:
+        # NOTE: rank r's columns are vocab rows [r*V_pad/tp, ...), so concatenating in rank
+        # order restores vocab order.
+        logits = tensor_model_parallel_all_gather(logits, dim=-1)
+    logits = logits[..., : vocab_size or lm_head.num_embeddings].float()
+    if scale != 1.0:
+        logits = logits * scale
+    if soft_cap is not None:
+        logits = torch.tanh(logits / soft_cap) * soft_cap
+    return logits
+
+
+class LogitsProcessor(nn.Module):
+    """Module wrapper around :func:`compute_logits`:
+    ``forward(lm_head, hidden_states [N, hidden]) -> [N, vocab_size]`` float32."""
+
+    def __init__(self, vocab_size: int, scale: float = 1.0, soft_cap: float | None = None) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.scale = scale
+        self.soft_cap = soft_cap
+
+    def forward(self, lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor) -> torch.Tensor:
+        return compute_logits(lm_head, hidden_states, self.vocab_size, self.scale, self.soft_cap)

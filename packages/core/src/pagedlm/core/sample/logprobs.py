@@ -1,0 +1,74 @@
+"""Logprob tensors returned with sampled tokens (and with prompt tokens)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of N positions, still on the device until ``tolists``.
+
+    Attributes:
+        logprob_token_ids: ``[N, k+1]`` int64; column 0 is the sampled (or prompt/target) token,
+            columns 1.. the top-k ids in descending logprob order.
+        logprobs: ``[N, k+1]`` float32, matching ``logprob_token_ids``.
+        selected_token_ranks: ``[N]`` int64; 1-based rank of the column-0 token (1 = most likely;
+            tokens with an equal logprob share the better rank).
+    """
+
+    logprob_token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    selected_token_ranks: torch.Tensor
+
+    def tolists(self) -> tuple[list[list[int]], list[list[float]], list[int]]:
+        """Host copies: (ids ``N x (k+1)``, logprobs ``N x (k+1)``, ranks ``N``)."""
+        return (
+            self.logprob_token_ids.tolist(),
+            self.logprobs.tolist(),
+            self.selected_token_ranks.tolist(),
+        )
+
+    @property
+    def num_positions(self) -> int:
+        return int(self.logprob_token_ids.shape[0])
+
+    def slice(self, start: int, end: int) -> LogprobsTensors:
+        """Rows ``[start, end)`` (e.g. one request's prompt positions out of a flat batch)."""
+        return LogprobsTensors(
+            self.logprob_token_ids[start:end],
+            self.logprobs[start:end],
+            self.selected_token_ranks[start:end],
+        )
+
+
+def compute_topk_logprobs(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor) -> LogprobsTensors:
+    """Gathers the target token's logprob, its rank and the top-``num_logprobs`` entries.
+
+    Args:
+        logprobs: ``[N, V]`` float32, already log-softmaxed.
+        num_logprobs: k >= 0 top entries to return besides the target (k = 0: target only).
+        token_ids: ``[N]`` integer ids of the target tokens (sampled or next prompt token).
+
+    Returns:
+        ``LogprobsTensors`` with ``[N, k+1]`` ids/logprobs and ``[N]`` ranks, on the input's device.
+    """
+    if num_logprobs < 0:
+        raise ValueError(f"num_logprobs={num_logprobs} must be >= 0")
+    token_ids = token_ids.to(device=logprobs.device, dtype=torch.int64).unsqueeze(-1)  # [N, 1]
+    token_logprobs = logprobs.gather(-1, token_ids)  # [N, 1]
+    # Rank = 1 + number of strictly better tokens; a comparison + sum avoids a full sort.
+    ranks = (logprobs > token_logprobs).sum(-1) + 1  # [N]
+    if num_logprobs > 0:
+        top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)  # [N, k]
+        ids = torch.cat([token_ids, top_ids], dim=-1)
+        values = torch.cat([token_logprobs, top_logprobs], dim=-1)
+    else:
+        ids, values = token_ids, token_logprobs
+    return LogprobsTensors(
+        logprob_token_ids=ids,
+        logprobs=values.to(torch.float32),
+        selected_token_ranks=ranks.to(torch.int64),
+    )

@@ -1,0 +1,211 @@
+"""The sampler: turns the last-position logits of a mixed batch into one token per row, on the
+logits' device (CPU or CUDA alike), every row with its own parameters.
+
+Pipeline for logits ``[B, V]``:
+
+1. raw logprobs (only if some row wants them): ``log_softmax`` of the incoming logits in float32,
+   before any processing — the model's own distribution, as vLLM returns by default.
+2. ``process_logits``: float32, logit bias, min-tokens masking, penalties.
+3. greedy rows: ``argmax`` of the processed logits (lowest index wins ties).
+4. random rows: divide by temperature, min-p, top-k, top-p, then the exponential race
+   ``argmax(probs / q)`` with ``q ~ Exponential(1)``, which draws exactly from ``probs``.
+
+Reproducibility contract: every random row consumes exactly one ``Exponential`` draw of ``V``
+values per call. Seeded rows draw theirs with their own generator, so a seeded request gives the
+same tokens whatever else is in the batch and wherever its row is; unseeded rows share one batch
+draw from the default generator. Greedy rows never touch their generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedlm.core.sample.logprobs import LogprobsTensors, compute_topk_logprobs
+from pagedlm.core.sample.metadata import SamplingMetadata
+from pagedlm.core.sample.penalties import (
+    apply_logit_bias,
+    apply_min_tokens,
+    apply_penalties,
+)
+
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplerOutput:
+    """Attributes:
+    sampled_token_ids: ``[B]`` int64 on the logits' device.
+    logprobs_tensors: logprobs of the raw distribution (``[B, k+1]``, column 0 the sampled
+        token), or ``None`` when no row asked for logprobs.
+    """
+
+    sampled_token_ids: torch.Tensor
+    logprobs_tensors: LogprobsTensors | None
+
+
+class Sampler(torch.nn.Module):
+    """Samples one token per row of ``logits`` ``[B, V]`` according to ``SamplingMetadata``."""
+
+    def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [num_rows, vocab_size], got shape {tuple(logits.shape)}")
+        md = sampling_metadata
+        if md.num_rows != logits.shape[0]:
+            raise ValueError(f"logits have {logits.shape[0]} rows but the sampling metadata {md.num_rows}")
+
+        raw_logprobs = None
+        if md.max_num_logprobs is not None:
+            # Taken before any processing: logprobs describe the model, not the sampling knobs.
+            raw_logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+
+        if logits.shape[0] == 0:
+            sampled = torch.empty(0, dtype=torch.int64, device=logits.device)
+        else:
+            sampled = sample(process_logits(logits, md), md)
+
+        logprobs_tensors = None
+        if raw_logprobs is not None:
+            assert md.max_num_logprobs is not None
+            logprobs_tensors = compute_topk_logprobs(raw_logprobs, md.max_num_logprobs, sampled)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
+
+
+def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Logits ``[B, V]`` (any float dtype) -> processed float32 logits ``[B, V]``: logit bias,
+    then min-tokens masking, then repetition/frequency/presence penalties. Never modifies the
+    input tensor."""
+    has_bias = any(md.logit_bias)
+    # Bias and min-tokens write in place; copy only then (``.to`` copies anyway from bf16/fp16).
+    out = logits.to(torch.float32, copy=bool(has_bias or md.min_tokens))
+    if has_bias:
+        out = apply_logit_bias(out, md.logit_bias)
+    if md.min_tokens:
+        out = apply_min_tokens(out, md.output_token_ids, md.min_tokens)
+    if not md.no_penalties:
+        out = apply_penalties(
+            out,
+            md.prompt_token_ids,
+            md.output_token_ids,
+            md.presence_penalties,
+            md.frequency_penalties,
+            md.repetition_penalties,
+        )
+    return out
+
+
+def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Processed float32 logits ``[B, V]`` -> sampled ids ``[B]`` int64. Does not modify
+    ``logits``."""
+    greedy_tokens = None
+    if not md.all_random:
+        greedy_tokens = logits.argmax(dim=-1)
+        if md.all_greedy:
+            return greedy_tokens
+
+    temperature = md.temperature.to(logits.device)
+    is_greedy = temperature < _SAMPLING_EPS  # [B]
+    # Greedy rows go through the random path too (batched), with a harmless temperature of 1;
+    # their result is discarded below.
+    logits = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(1)
+    if md.min_p is not None:
+        logits = apply_min_p(logits, md.min_p)
+    if md.top_k is not None or md.top_p is not None:
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+    probs = logits.softmax(dim=-1)
+    random_tokens = exponential_race(probs, _random_generators(md))
+    if greedy_tokens is None:
+        return random_tokens
+    return torch.where(is_greedy, greedy_tokens, random_tokens)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Masks tokens whose probability is below ``min_p * max_prob`` of their row.
+
+    ``logits`` ``[B, V]`` float32 (already temperature-scaled), ``min_p`` ``[B]`` (0 = off: no
+    probability is below 0). Returns new logits.
+    """
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.to(logits.device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Masks everything outside each row's top-k tokens, then outside its top-p nucleus.
+
+    Args:
+        logits: ``[B, V]`` float32 (temperature-scaled). Not modified.
+        top_k: ``[B]`` int64, ``0`` (or anything ``>= V``) = off; or ``None``.
+        top_p: ``[B]`` float32, ``1.0`` = off; or ``None``.
+
+    Returns:
+        New logits ``[B, V]`` with masked entries at ``-inf``. Tokens tied with the k-th largest
+        logit are all kept. The top token of a row always survives top-p.
+    """
+    vocab_size = logits.shape[-1]
+    neg_inf = float("-inf")
+    # One ascending sort serves both filters: the k-th largest is at column V - k, and the
+    # nucleus is a suffix of the sorted row.
+    sorted_logits, order = logits.sort(dim=-1, descending=False)  # [B, V] each
+    if top_k is not None:
+        k = top_k.to(device=logits.device, dtype=torch.int64)
+        k = torch.where((k <= 0) | (k > vocab_size), vocab_size, k)
+        kth_largest = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))  # [B, 1]
+        if top_p is None:
+            # No need to scatter back: the threshold applies to the unsorted row directly.
+            return logits.masked_fill(logits < kth_largest, neg_inf)
+        sorted_logits.masked_fill_(sorted_logits < kth_largest, neg_inf)
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # ascending -> ends near 1
+        # Drop the low-probability prefix whose total mass is <= 1 - p; the rest is the nucleus.
+        drop = cumulative <= (1.0 - top_p.to(logits.device)).unsqueeze(1)
+        drop[:, -1] = False  # rounding must never empty a row
+        sorted_logits.masked_fill_(drop, neg_inf)
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Draws one token per row from ``probs`` ``[B, V]`` as ``argmax(probs / q)``, ``q`` i.i.d.
+    Exponential(1) — equivalent to multinomial sampling, without a host sync or a cumsum.
+
+    Rows in ``generators`` draw their ``q`` row (``V`` values) with their own generator; the other
+    rows share one draw from the default generator. Modifies ``probs`` in place. Returns ``[B]``
+    int64.
+    """
+    num_rows, vocab_size = probs.shape
+    q = torch.empty_like(probs)
+    if len(generators) < num_rows:
+        q.exponential_()
+    # A loop over seeded rows only (not the vocabulary): each generator must produce its own
+    # row regardless of its position in the batch.
+    for row, generator in generators.items():
+        if _same_device(generator.device, q.device):
+            q[row].exponential_(generator=generator)
+        else:
+            # E.g. a CPU generator with CUDA logits: draw where the generator lives, then copy.
+            draw = torch.empty(vocab_size, dtype=q.dtype, device=generator.device)
+            q[row].copy_(draw.exponential_(generator=generator))
+    # An exact 0 from the draw would give 0/0 = NaN on a masked token, and argmax favours NaN.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def _random_generators(md: SamplingMetadata) -> dict[int, torch.Generator]:
+    """The generators of the rows that really sample, so greedy rows never advance theirs."""
+    if not md.generators or md.all_random:
+        return md.generators
+    rows = list(md.generators)
+    # Mixed batch with seeded rows: a small host read of those rows' temperatures is needed.
+    temps = md.temperature[rows].tolist()
+    return {row: md.generators[row] for row, t in zip(rows, temps, strict=True) if t >= _SAMPLING_EPS}
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    # "cuda" and "cuda:0" name the same device (index None means the current one).
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)

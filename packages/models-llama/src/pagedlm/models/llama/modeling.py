@@ -1,0 +1,205 @@
+"""Llama (1/2/3.x) and Mistral decoder-only language models.
+
+All token tensors are flat: the ``T`` scheduled tokens of every request in the step are
+concatenated with no batch dimension; the attention backend's metadata says which rows belong to
+which request. Head counts below are per tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedlm.core.attention import Attention
+from pagedlm.core.config import VllmConfig
+from pagedlm.core.distributed import get_tensor_model_parallel_world_size
+from pagedlm.core.layers import (
+    LogitsProcessor,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    get_act_and_mul_fn,
+    get_rope,
+    maybe_prefix,
+)
+from pagedlm.core.model_loader import load_weights_by_name
+
+__all__ = ["LlamaForCausalLM", "LlamaModel", "MistralForCausalLM"]
+
+# (fused parameter, checkpoint name, shard id)
+STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+# Buffers some old checkpoints saved; recomputed here.
+SKIPPED_WEIGHTS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class LlamaMLP(nn.Module):
+    """``x [T, hidden] -> down(act(gate(x)) * up(x)) [T, hidden]``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool, prefix: str) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias, prefix=maybe_prefix(prefix, "gate_up_proj")
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=bias, prefix=maybe_prefix(prefix, "down_proj")
+        )
+        self.act_fn = get_act_and_mul_fn(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    """``hidden [T, hidden] -> [T, hidden]``: qkv projection, rotary, paged attention, o_proj."""
+
+    def __init__(self, config: Any, prefix: str, sliding_window: int | None = None) -> None:
+        super().__init__()
+        tp_size = get_tensor_model_parallel_world_size()
+        hidden_size = config.hidden_size
+        self.total_num_heads = config.num_attention_heads
+        self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden_size // self.total_num_heads
+        self.num_heads = self.total_num_heads // tp_size
+        # NOTE: with more ranks than KV heads each rank keeps one (replicated) KV head.
+        self.num_kv_heads = max(1, self.total_num_kv_heads // tp_size)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scaling = self.head_dim**-0.5
+        attention_bias = bool(getattr(config, "attention_bias", False))
+
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size, self.head_dim, self.total_num_heads, self.total_num_kv_heads,
+            bias=attention_bias, prefix=maybe_prefix(prefix, "qkv_proj"),
+        )
+        self.o_proj = RowParallelLinear(
+            self.total_num_heads * self.head_dim, hidden_size, bias=attention_bias,
+            prefix=maybe_prefix(prefix, "o_proj"),
+        )
+        self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, config)
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.scaling, self.num_kv_heads,
+            prefix=maybe_prefix(prefix, "attn"), sliding_window=sliding_window,
+        )
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """One pre-norm block. The residual stream is carried separately (``residual``) so each
+    norm fuses the preceding add: ``forward(positions, hidden, residual) -> (hidden, residual)``
+    with the block's true output being ``hidden + residual``."""
+
+    def __init__(self, config: Any, prefix: str, sliding_window: int | None = None) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, maybe_prefix(prefix, "self_attn"), sliding_window)
+        self.mlp = LlamaMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act,
+            bool(getattr(config, "mlp_bias", False)), maybe_prefix(prefix, "mlp"),
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm: ``(input_ids [T], positions [T]) -> [T, hidden]``."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", use_sliding_window: bool = False) -> None:
+        super().__init__()
+        config = vllm_config.model_config.text_config
+        self.config = config
+        self.vocab_size = config.vocab_size
+        sliding_window = getattr(config, "sliding_window", None) if use_sliding_window else None
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, maybe_prefix(prefix, f"layers.{i}"), sliding_window)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.get_input_embeddings(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model interface every pagedlm model implements:
+
+    - ``forward(input_ids [T] int64, positions [T] int64) -> hidden_states [T, hidden]``
+    - ``compute_logits(hidden_states [N, hidden]) -> [N, vocab] float32``
+    - ``load_weights(iterable of (hf_name, tensor)) -> set of parameter names loaded``
+    """
+
+    #: Mistral honours config.sliding_window; Llama has no sliding-window attention.
+    use_sliding_window = False
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.text_config
+        self.config = config
+        self.model = LlamaModel(
+            vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"),
+            use_sliding_window=self.use_sliding_window,
+        )
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        skip = SKIPPED_WEIGHTS
+        if getattr(self.config, "tie_word_embeddings", False):
+            # NOTE: the head shares the embedding Parameter; a saved copy would load it twice.
+            skip = (*skip, "lm_head.weight")
+        return load_weights_by_name(self, weights, STACKED_PARAMS, skip)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral is Llama with an optional sliding attention window (``config.sliding_window``)."""
+
+    use_sliding_window = True

@@ -1,0 +1,213 @@
+"""Qwen2 / Qwen2.5 decoder-only language models.
+
+The block is Llama's with a bias on the q/k/v projections (none on o_proj) and optional
+sliding-window attention on the layers ``config.layer_types`` marks ``"sliding_attention"``.
+All token tensors are flat ``[T, ...]`` (every request of the step concatenated); head counts
+are per tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedlm.core.attention import Attention
+from pagedlm.core.config import VllmConfig
+from pagedlm.core.distributed import get_tensor_model_parallel_world_size
+from pagedlm.core.layers import (
+    LogitsProcessor,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    get_act_and_mul_fn,
+    get_rope,
+    maybe_prefix,
+)
+from pagedlm.core.model_loader import load_weights_by_name
+
+__all__ = ["Qwen2Attention", "Qwen2ForCausalLM", "Qwen2Model"]
+
+# (fused parameter, checkpoint name, shard id)
+STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+SKIPPED_WEIGHTS = ("rotary_emb.inv_freq",)
+
+
+def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
+    """The attention window of layer ``layer_idx``, or None for full attention."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    # Configs from before transformers added layer_types.
+    if getattr(config, "use_sliding_window", False) and layer_idx >= getattr(config, "max_window_layers", 0):
+        return window
+    return None
+
+
+class Qwen2MLP(nn.Module):
+    """``x [T, hidden] -> down(silu(gate(x)) * up(x)) [T, hidden]``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, prefix: str) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=False, prefix=maybe_prefix(prefix, "gate_up_proj")
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False,
+                                           prefix=maybe_prefix(prefix, "down_proj"))
+        self.act_fn = get_act_and_mul_fn(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Qwen2Attention(nn.Module):
+    """``hidden [T, hidden] -> [T, hidden]``: qkv projection, rotary, paged attention, o_proj.
+
+    Subclasses change the biases and may normalise q/k in :meth:`_normalize_qk`.
+    """
+
+    def _biases(self, config: Any) -> tuple[bool, bool]:
+        """(q/k/v bias, o_proj bias)."""
+        return True, False
+
+    def __init__(self, config: Any, prefix: str, sliding_window: int | None = None) -> None:
+        super().__init__()
+        tp_size = get_tensor_model_parallel_world_size()
+        hidden_size = config.hidden_size
+        self.total_num_heads = config.num_attention_heads
+        self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden_size // self.total_num_heads
+        self.num_heads = self.total_num_heads // tp_size
+        # NOTE: with more ranks than KV heads each rank keeps one (replicated) KV head.
+        self.num_kv_heads = max(1, self.total_num_kv_heads // tp_size)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        qkv_bias, o_bias = self._biases(config)
+
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size, self.head_dim, self.total_num_heads, self.total_num_kv_heads,
+            bias=qkv_bias, prefix=maybe_prefix(prefix, "qkv_proj"),
+        )
+        self.o_proj = RowParallelLinear(
+            self.total_num_heads * self.head_dim, hidden_size, bias=o_bias, prefix=maybe_prefix(prefix, "o_proj")
+        )
+        self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, config)
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads,
+            prefix=maybe_prefix(prefix, "attn"), sliding_window=sliding_window,
+        )
+
+    def _normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self._normalize_qk(q, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class Qwen2DecoderLayer(nn.Module):
+    """Pre-norm block carrying the residual stream separately:
+    ``forward(positions, hidden, residual) -> (hidden, residual)``, true output ``hidden + residual``."""
+
+    def __init__(self, config: Any, prefix: str, attn_cls: type[Qwen2Attention], layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = attn_cls(config, maybe_prefix(prefix, "self_attn"), layer_sliding_window(config, layer_idx))
+        self.mlp = Qwen2MLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                            maybe_prefix(prefix, "mlp"))
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class Qwen2Model(nn.Module):
+    """Embedding, decoder layers and final norm: ``(input_ids [T], positions [T]) -> [T, hidden]``."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "",
+                 attn_cls: type[Qwen2Attention] = Qwen2Attention) -> None:
+        super().__init__()
+        config = vllm_config.model_config.text_config
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
+        )
+        self.layers = nn.ModuleList(
+            Qwen2DecoderLayer(config, maybe_prefix(prefix, f"layers.{i}"), attn_cls, i)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.get_input_embeddings(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class Qwen2ForCausalLM(nn.Module):
+    """The pagedlm model interface:
+
+    - ``forward(input_ids [T] int64, positions [T] int64) -> hidden_states [T, hidden]``
+    - ``compute_logits(hidden_states [N, hidden]) -> [N, vocab] float32``
+    - ``load_weights(iterable of (hf_name, tensor)) -> set of parameter names loaded``
+    """
+
+    attn_cls: type[Qwen2Attention] = Qwen2Attention
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.text_config
+        self.config = config
+        self.model = Qwen2Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"), attn_cls=self.attn_cls)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        skip = SKIPPED_WEIGHTS
+        if getattr(self.config, "tie_word_embeddings", False):
+            # NOTE: the head shares the embedding Parameter; a saved copy would load it twice.
+            skip = (*skip, "lm_head.weight")
+        return load_weights_by_name(self, weights, STACKED_PARAMS, skip)

@@ -1,0 +1,1 @@
+"""pagedlm-server's hook implementations."""

@@ -1,0 +1,128 @@
+"""Platform registration and selection for the CPU platform and the CUDA skeleton."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pagedlm.backends.cpu import platform as cpu_platform
+from pagedlm.backends.cpu.platform import CpuPlatform
+from pagedlm.backends.cuda import plugin as cuda_plugin
+from pagedlm.core.config import CacheConfig, VllmConfig
+from pagedlm.core.platforms import available_platforms, resolve_platform
+from pagedlm.core.plugins import get_plugins
+
+GiB = 1 << 30
+needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="a usable GPU makes device='auto' pick CUDA")
+
+
+@needs_no_gpu
+def test_auto_resolves_to_cpu():
+    platform = resolve_platform("auto")
+    assert isinstance(platform, CpuPlatform)
+    assert platform.device_name == "cpu" and platform.device_type == "cpu"
+    assert resolve_platform("cpu") is platform  # instances are cached per class path
+    assert isinstance(resolve_platform("cpu:0"), CpuPlatform)
+    assert "cpu" in available_platforms()
+
+
+def test_registrations():
+    specs = {s.name: s for s in get_plugins().platforms()}
+    assert specs["cpu"].class_path == "pagedlm.backends.cpu.platform:CpuPlatform"
+    assert specs["cpu"].priority == 0 and specs["cpu"].is_available() is True
+    assert specs["cuda"].class_path == "pagedlm.backends.cuda.platform:CudaPlatform"
+    assert specs["cuda"].priority > specs["cpu"].priority
+    backends = get_plugins().attention_backends()
+    assert backends["cpu_paged"] == "pagedlm.backends.cpu.attention:CpuPagedAttentionBackend"
+
+
+@needs_no_gpu
+def test_cuda_reports_unavailable():
+    assert cuda_plugin.cuda_is_available() is False
+    assert "cuda" not in available_platforms()
+    with pytest.raises(ValueError, match="not available"):
+        resolve_platform("cuda")
+
+
+def test_cuda_probe_never_raises(monkeypatch):
+    def broken() -> bool:
+        raise RuntimeError("driver exploded")
+
+    monkeypatch.setattr(torch.cuda, "is_available", broken)
+    assert cuda_plugin.cuda_is_available() is False
+
+
+def test_cuda_plugin_and_probe_do_not_import_triton():
+    code = (
+        "import sys\n"
+        "from pagedlm.backends.cuda import plugin\n"
+        "plugin.cuda_is_available()\n"
+        "import pagedlm.backends.cuda.platform\n"
+        "assert 'triton' not in sys.modules, 'triton imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bad_device_lists_allowed_names():
+    with pytest.raises(ValueError, match="allowed: auto, ") as info:
+        resolve_platform("tpu")
+    message = str(info.value)
+    assert "'tpu'" in message and "cpu" in message and "cuda" in message
+
+
+def test_cpu_platform_config_hooks():
+    platform = CpuPlatform()
+    config = VllmConfig()
+    assert platform.get_attn_backend_name(config) == "cpu_paged"
+    assert platform.dist_backend == "gloo" and platform.default_dtype == torch.float32
+    assert not platform.supports_graphs
+    platform.check_and_update_config(config)
+    assert config.enforce_eager is True
+    assert platform.set_device(0) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("dtype", CpuPlatform.supported_dtypes)
+def test_supported_dtypes_run_matmul(dtype):
+    a = torch.randn(8, 16).to(dtype)
+    assert (a @ a.T).dtype == dtype
+
+
+def test_kv_cache_size_sources(monkeypatch):
+    platform = CpuPlatform()
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(cpu_platform, "available_host_memory_bytes", lambda: 100 * GiB)
+    monkeypatch.delenv("PAGEDLM_CPU_KVCACHE_SPACE", raising=False)
+    assert platform.kv_cache_memory_bytes(VllmConfig(), cpu) == 4 * GiB
+    monkeypatch.setenv("PAGEDLM_CPU_KVCACHE_SPACE", "1.5")
+    assert platform.kv_cache_memory_bytes(VllmConfig(), cpu) == int(1.5 * GiB)
+    explicit = VllmConfig(cache_config=CacheConfig(kv_cache_memory_bytes=12345))
+    assert platform.kv_cache_memory_bytes(explicit, cpu) == 12345  # the config beats the env
+    # capped at half of what is available now
+    monkeypatch.setattr(cpu_platform, "available_host_memory_bytes", lambda: 2 * GiB)
+    monkeypatch.delenv("PAGEDLM_CPU_KVCACHE_SPACE")
+    assert platform.kv_cache_memory_bytes(VllmConfig(), cpu) == 1 * GiB
+    # unknown host memory: no cap
+    monkeypatch.setattr(cpu_platform, "available_host_memory_bytes", lambda: None)
+    assert platform.kv_cache_memory_bytes(VllmConfig(), cpu) == 4 * GiB
+    with pytest.raises(ValueError, match="positive"):
+        platform.kv_cache_memory_bytes(VllmConfig(cache_config=CacheConfig(kv_cache_memory_bytes=0)), cpu)
+
+
+def test_available_host_memory_is_plausible():
+    available = cpu_platform.available_host_memory_bytes()
+    assert available is None or available > 0
+
+
+def test_cuda_platform_skeleton():
+    from pagedlm.backends.cuda.platform import CudaPlatform
+
+    platform = CudaPlatform()
+    assert (platform.device_name, platform.device_type, platform.dist_backend) == ("cuda", "cuda", "nccl")
+    assert platform.default_dtype == torch.bfloat16 and platform.supports_graphs
+    with pytest.raises(ValueError, match="not built yet"):
+        platform.get_attn_backend_name(VllmConfig())
+    explicit = VllmConfig(cache_config=CacheConfig(kv_cache_memory_bytes=4096))
+    assert platform.kv_cache_memory_bytes(explicit, torch.device("cuda", 0)) == 4096
