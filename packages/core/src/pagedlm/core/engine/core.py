@@ -51,6 +51,10 @@ class EngineCore:
         num_blocks = self.executor.determine_num_available_blocks()
         max_len = self.vllm_config.max_model_len
         needed = -(-max_len // cc.block_size)
+        if cc.num_gpu_blocks_override is None:
+            # NOTE: more blocks than max_num_seqs full-length requests can hold would only keep
+            # more of the prefix cache, at the price of start-up time and memory; cap there.
+            num_blocks = min(num_blocks, needed * self.vllm_config.scheduler_config.max_num_seqs)
         if num_blocks < needed:
             bytes_per_block = self.executor.kv_cache_bytes_per_block()
             raise ValueError(

@@ -51,6 +51,14 @@ class IncrementalDetokenizer:
             return None
         return self._check_stop_strings(start_len)
 
+    def flush(self) -> None:
+        """At the end of the sequence: emit text held back for an incomplete character."""
+        if self.read_offset < len(self.token_ids):
+            prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+            new_text = self._decode(self.token_ids[self.prefix_offset :])
+            self.text += new_text[len(prefix_text) :]
+            self.prefix_offset = self.read_offset = len(self.token_ids)
+
     def _check_stop_strings(self, start_len: int) -> str | None:
         # Only text that could contain a stop string not seen before needs searching.
         search_from = max(0, start_len - self._max_stop_len + 1)

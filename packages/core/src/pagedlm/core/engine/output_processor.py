@@ -112,6 +112,8 @@ class OutputProcessor:
                 seq.finish_reason, seq.stop_reason = "stop", stop_str
             elif out.finish_reason is not None:
                 seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+                if seq.detokenizer is not None:
+                    seq.detokenizer.flush()
             touched[parent_id] = state
 
         results = []

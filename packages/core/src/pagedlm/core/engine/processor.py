@@ -41,6 +41,8 @@ class Processor:
         if token_ids is None:
             if not isinstance(text, str):
                 raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+            if not text:
+                raise ValueError("prompt is empty: it must contain at least one character")
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; this engine runs with skip_tokenizer_init=True")
             token_ids = self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids

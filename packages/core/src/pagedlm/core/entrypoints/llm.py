@@ -166,3 +166,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the engine's workers now (also happens when the object is collected)."""
+        self.llm_engine.shutdown()

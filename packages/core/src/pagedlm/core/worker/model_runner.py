@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 
@@ -47,10 +45,7 @@ class ModelRunner:
 
     # -- set-up -----------------------------------------------------------------------------
     def load_model(self) -> None:
-        start = time.perf_counter()
         self.model, self.attention_layers = load_model(self.vllm_config, self.attn_backend, self.device)
-        logger.info("loaded %s in %.2fs (%s, %s)", type(self.model).__name__, time.perf_counter() - start,
-                    self.dtype, self.device)
 
     def kv_cache_bytes_per_block(self) -> int:
         total = 0

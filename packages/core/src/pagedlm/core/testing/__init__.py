@@ -1,0 +1,56 @@
+"""Test helpers for pagedlm and its plugins: tiny checkpoints, a tokenizer, and an HF conformance check.
+
+Public and stable, so that third-party backends and model packages can test themselves the way
+the built-in ones are tested::
+
+    from pagedlm.core.testing import make_tiny_checkpoint, assert_greedy_matches_hf
+
+    model_dir = make_tiny_checkpoint(tmp_path / "llama", "llama")
+    assert_greedy_matches_hf(model_dir, [[1, 17, 42, 99]], max_new_tokens=16)
+
+Importing this package is cheap: transformers is loaded only when a helper runs.
+"""
+
+from pagedlm.core.testing.checkpoints import (
+    ARCHITECTURES,
+    HF_CLASSES,
+    Arch,
+    make_dummy_config_dir,
+    make_tiny_checkpoint,
+    top2_gaps,
+)
+from pagedlm.core.testing.hf_reference import (
+    HFGreedyResult,
+    assert_greedy_matches_hf,
+    compare_greedy,
+    hf_greedy,
+)
+from pagedlm.core.testing.tokenizer import (
+    BOS_ID,
+    CHAT_TEMPLATE,
+    EOS_ID,
+    PAD_ID,
+    SPECIAL_TOKENS,
+    UNK_ID,
+    build_bpe_tokenizer,
+)
+
+__all__ = [
+    "ARCHITECTURES",
+    "Arch",
+    "BOS_ID",
+    "CHAT_TEMPLATE",
+    "EOS_ID",
+    "HFGreedyResult",
+    "HF_CLASSES",
+    "PAD_ID",
+    "SPECIAL_TOKENS",
+    "UNK_ID",
+    "assert_greedy_matches_hf",
+    "build_bpe_tokenizer",
+    "compare_greedy",
+    "hf_greedy",
+    "make_dummy_config_dir",
+    "make_tiny_checkpoint",
+    "top2_gaps",
+]

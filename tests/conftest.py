@@ -1,0 +1,77 @@
+"""Session-wide fixtures and markers shared by every test folder.
+
+Checkpoints are built once per session (about a second each) and must be treated as read-only:
+tests that need a variant build their own with ``tiny_checkpoint_factory``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# No hub is reachable here: fail at once instead of waiting on network timeouts if some code path
+# tries to resolve a model name remotely.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Also declared in pyproject.toml; repeated here so the markers exist when pytest runs with
+    # another rootdir/ini (e.g. a plugin's test suite reusing this conftest).
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped when torch.cuda.is_available() is False")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not any(item.get_closest_marker("cuda") for item in items):
+        return  # avoid importing torch (seconds) when nothing needs the answer
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """``factory(arch, **make_tiny_checkpoint_kwargs) -> dir``; each distinct variant is built once."""
+    from pagedlm.core.testing import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny-checkpoints")
+    built: dict[tuple[str, tuple[tuple[str, Any], ...]], str] = {}
+
+    def factory(arch: str, **kwargs: Any) -> str:
+        key = (arch, tuple(sorted(kwargs.items())))
+        if key not in built:
+            suffix = "-".join(f"{k}={v}" for k, v in key[1])
+            out = Path(root) / (f"{arch}-{suffix}" if suffix else arch)
+            built[key] = make_tiny_checkpoint(out, arch, **kwargs)  # type: ignore[arg-type]
+        return built[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tiny_checkpoint_factory: Callable[..., str]) -> dict[str, str]:
+    """arch -> directory of a tiny random checkpoint, for llama, mistral, qwen2 and qwen3."""
+    from pagedlm.core.testing import ARCHITECTURES
+
+    return {arch: tiny_checkpoint_factory(arch) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_checkpoint_factory: Callable[..., str]) -> str:
+    """Directory of the tiny Llama checkpoint (the default model of most engine tests).
+
+    The same directory as ``tiny_checkpoints["llama"]``, without building the other three.
+    """
+    return tiny_checkpoint_factory("llama")
