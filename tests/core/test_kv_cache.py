@@ -351,7 +351,11 @@ def test_prefix_cache_stats() -> None:
     a = make_request("a", list(range(8)))
     assert start(manager, a) is not None
     b = make_request("b", list(range(8)) + [1, 2, 3, 4, 5, 6, 7, 8])
+    # a lookup alone (the scheduler repeats it while a request waits) is not counted
+    blocks, num_hit = manager.get_computed_blocks(b)
     manager.get_computed_blocks(b)
+    assert manager.prefix_cache_stats.num_requests == 1
+    assert manager.allocate_slots(b, b.num_tokens - num_hit, blocks, num_hit) is not None
     stats = manager.prefix_cache_stats
     assert (stats.num_requests, stats.num_queries_tokens, stats.num_hit_tokens) == (2, 24, 8)
     assert stats.hit_rate == pytest.approx(8 / 24)

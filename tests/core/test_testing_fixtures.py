@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -102,6 +103,7 @@ def test_chat_template_renders(tiny_llama: str) -> None:
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == "<s><|system|>\nBe brief.<|end|>\n<|user|>\nHi there<|end|>\n<|assistant|>\n"
     no_prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    assert isinstance(no_prompt, str)
     assert not no_prompt.endswith("<|assistant|>\n")
     ids = tok(text, add_special_tokens=False).input_ids
     assert ids.count(BOS_ID) == 1
@@ -234,7 +236,7 @@ class _FakeLLM:
 
     def __init__(self, answers: list[list[int]]) -> None:
         self.answers = answers
-        self.params = None
+        self.params: Any = None
 
     def generate(self, prompts, params, use_tqdm=True):
         self.params = params

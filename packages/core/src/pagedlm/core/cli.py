@@ -28,12 +28,15 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     engine_args = EngineArgs.from_cli_args(args)
     if engine_args.model is None:
-        print("error: --model DIR is required (a local HF model directory)", file=sys.stderr)
-        return 2
+        from pagedlm.core.default_model import resolve_default_model
+
+        engine_args.model, name = resolve_default_model()  # ValueError: how to install one or pass --model
+        print(f"model: {name}, the default model ({engine_args.model})", file=sys.stderr)
+    else:
+        print(f"model: {engine_args.model}", file=sys.stderr)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed)
-    print(f"model: {engine_args.model}", file=sys.stderr)
-    llm = LLM(**{k: v for k, v in vars(engine_args).items()})
+    llm = LLM(**vars(engine_args))
     for output in llm.generate(list(args.prompts), params, use_tqdm=False):
         print(f"--- prompt: {output.prompt!r}")
         print(output.outputs[0].text)
@@ -66,6 +69,12 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench(subparsers: argparse._SubParsersAction) -> None:
+    from pagedlm.core.bench import add_bench_parser
+
+    add_bench_parser(subparsers)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pagedlm.core.plugins import get_plugins
 
@@ -73,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(subparsers)
     _add_demo(subparsers)
+    _add_bench(subparsers)
     get_plugins().add_cli_commands(subparsers)
     return parser
 

@@ -24,7 +24,7 @@ _STR_TO_DTYPE = {
     "bf16": torch.bfloat16,
 }
 
-LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -36,8 +36,9 @@ class ModelConfig:
     """What model to run and how to read it.
 
     ``model`` is a local directory holding an HF ``config.json`` (plus weights and tokenizer
-    unless ``load_format="dummy"`` / ``skip_tokenizer_init``). ``hf_config`` may be passed
-    directly instead (tests). ``dtype`` is resolved to a ``torch.dtype`` by
+    unless ``load_format="dummy"`` / ``skip_tokenizer_init``), or a ``.gguf`` file (or a
+    directory holding exactly one and no config.json), whose metadata supplies the config and
+    the tokenizer. ``hf_config`` may be passed directly instead (tests). ``dtype`` is resolved to a ``torch.dtype`` by
     :meth:`VllmConfig.finalize` once the platform is known.
     """
 
@@ -56,20 +57,27 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.model is not None:
             self.model = os.path.expanduser(str(self.model))
-            if not os.path.isdir(self.model):
-                raise ValueError(
-                    f"model={self.model!r} is not a directory; pass a local HF model directory "
-                    "(config.json, *.safetensors, tokenizer.json). No model hub is contacted."
-                )
-            if not os.path.isfile(os.path.join(self.model, "config.json")):
-                raise ValueError(f"model={self.model!r} has no config.json")
-            if self.hf_config is None:
-                from transformers import AutoConfig
+            from pagedlm.core.model_loader.gguf_loader import find_gguf_file
 
-                self.hf_config = AutoConfig.from_pretrained(
-                    self.model, trust_remote_code=self.trust_remote_code, revision=self.revision
+            gguf_file = find_gguf_file(self.model)
+            if gguf_file is not None:
+                self._init_from_gguf(gguf_file)
+            elif not os.path.isdir(self.model):
+                raise ValueError(
+                    f"model={self.model!r} is not a directory or a .gguf file; pass a local HF model "
+                    "directory (config.json, *.safetensors, tokenizer.json) or a GGUF file. No model hub is "
+                    "contacted."
                 )
-            self.generation_config = {**_read_generation_config(self.model), **self.generation_config}
+            elif not os.path.isfile(os.path.join(self.model, "config.json")):
+                raise ValueError(f"model={self.model!r} has no config.json (and no .gguf file)")
+            else:
+                if self.hf_config is None:
+                    from transformers import AutoConfig
+
+                    self.hf_config = AutoConfig.from_pretrained(
+                        self.model, trust_remote_code=self.trust_remote_code, revision=self.revision
+                    )
+                self.generation_config = {**_read_generation_config(self.model), **self.generation_config}
         if self.tokenizer is None:
             self.tokenizer = self.model
         if self.hf_config is not None:
@@ -85,6 +93,21 @@ class ModelConfig:
                 )
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in _STR_TO_DTYPE:
             raise ValueError(f"dtype={self.dtype!r} is not one of auto, float32, float16, bfloat16")
+
+    def _init_from_gguf(self, path: str) -> None:
+        """Config, generation defaults and tokenizer source from a GGUF file's metadata."""
+        from pagedlm.core.model_loader.gguf_loader import load_gguf_model_config
+
+        self.model = path
+        hf_config, generation_config = load_gguf_model_config(path)
+        if self.hf_config is None:
+            self.hf_config = hf_config
+        self.generation_config = {**generation_config, **self.generation_config}
+
+    @property
+    def is_gguf(self) -> bool:
+        """True when ``model`` is a GGUF file (weights load with ``load_format="gguf"``)."""
+        return self.model is not None and os.path.isfile(self.model)
 
     # -- hyperparameters read from the HF config -------------------------------------------------
     def _require(self) -> Any:
@@ -212,6 +235,8 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
+    #: which data-parallel replica this engine core is (set by the DP client; picks devices)
+    data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
@@ -269,7 +294,8 @@ class SchedulerConfig:
 class LoadConfig:
     """How weights are read. ``"auto"`` reads safetensors and refuses pickle files; pass
     ``load_format="pt"`` to explicitly allow ``*.bin``/``*.pt`` checkpoints (read with
-    ``torch.load(weights_only=True)``). ``"dummy"`` fills weights randomly (benchmarks)."""
+    ``torch.load(weights_only=True)``). ``"gguf"`` reads a ``.gguf`` file, dequantizing at load
+    time; ``"auto"`` selects it for a GGUF model. ``"dummy"`` fills weights randomly (benchmarks)."""
 
     load_format: str = "auto"
 
@@ -311,6 +337,13 @@ class VllmConfig:
         platform = resolve_platform(self.device_config.device)
         self.device_config.device = platform.device_name
         mc = self.model_config
+        load_format = self.load_config.load_format
+        if mc.is_gguf and load_format == "auto":
+            self.load_config.load_format = "gguf"  # a GGUF file has one way to be read
+        elif mc.is_gguf and load_format not in ("gguf", "dummy"):
+            raise ValueError(f"load_format={load_format!r} cannot read the GGUF file {mc.model}; use auto or gguf")
+        elif load_format == "gguf" and not mc.is_gguf:
+            raise ValueError(f'load_format="gguf" needs model=FILE.gguf; got model={mc.model!r}')
         if mc.hf_config is not None:
             mc.resolve_dtype(platform.default_dtype, platform.supported_dtypes)
             self.scheduler_config.finalize(int(mc.max_model_len or 2048))

@@ -1,1 +1,18 @@
-"""pagedlm-server's hook implementations."""
+"""pagedlm-server's hook implementations.
+
+NOTE: only hook implementations live here; FastAPI, uvicorn and the engine are imported when
+``pagedlm serve`` runs, not when the ``pagedlm`` command line loads its plugins.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedlm.core.plugins import hookimpl
+
+
+@hookimpl
+def pagedlm_add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
+    from pagedlm.server.cli import add_serve_command
+
+    add_serve_command(subparsers)

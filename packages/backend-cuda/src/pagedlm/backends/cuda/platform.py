@@ -1,15 +1,36 @@
-"""The CUDA platform (skeleton: device handling and KV-cache sizing; no attention backend yet)."""
+"""The CUDA platform: NVIDIA GPUs through torch.cuda, Triton kernels, CUDA graphs.
+
+- dtype: bfloat16 unless the model or the user asks otherwise.
+- attention: ``triton`` (pagedlm.backends.cuda.triton_attn); ``flash_attn`` instead when the
+  ``flash_attn`` package imports and the block size suits its paged kernels (a multiple of 256).
+- model runner: :class:`pagedlm.backends.cuda.model_runner.CudaModelRunner` (persistent input
+  buffers, CUDA-graph decode unless ``enforce_eager``, a profiling run before KV sizing).
+- KV cache: ``gpu_memory_utilization`` of the device's memory minus everything else in use
+  after the weights are loaded and the profiling forward ran.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING
 
 import torch
 
+from pagedlm.core.logger import init_logger
 from pagedlm.core.platforms import Platform
 
 if TYPE_CHECKING:
     from pagedlm.core.config import VllmConfig
+
+logger = init_logger(__name__)
+
+GiB = 1 << 30
+#: flash-attn 2's paged kernels need the page (block) size to be a multiple of this
+FLASH_ATTN_BLOCK_MULTIPLE = 256
+
+
+def flash_attn_importable() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
 
 
 class CudaPlatform(Platform):
@@ -23,13 +44,22 @@ class CudaPlatform(Platform):
     supports_graphs = True
 
     def get_attn_backend_name(self, vllm_config: VllmConfig) -> str:
-        # The Triton paged-attention backend (DESIGN.md §6) is a later issue. Fail with a message
-        # that says what to do instead of picking something silently slow.
-        raise ValueError(
-            "the CUDA attention backend is not built yet (pagedlm-backend-cuda has no kernels so "
-            "far). Use device='cpu', or pass attention_backend='cpu_paged' to run the plain-torch "
-            "reference backend (pagedlm-backend-cpu) on the GPU, which is correct but slow."
-        )
+        block_size = vllm_config.cache_config.block_size
+        half = vllm_config.model_config.dtype in (torch.float16, torch.bfloat16)
+        if half and block_size % FLASH_ATTN_BLOCK_MULTIPLE == 0 and flash_attn_importable():
+            return "flash_attn"
+        return "triton"
+
+    def get_model_runner_cls(self, vllm_config: VllmConfig) -> str:
+        return "pagedlm.backends.cuda.model_runner:CudaModelRunner"
+
+    def check_and_update_config(self, vllm_config: VllmConfig) -> None:
+        if flash_attn_importable() and vllm_config.cache_config.block_size % FLASH_ATTN_BLOCK_MULTIPLE:
+            logger.info(
+                "flash_attn is installed but block_size=%d is not a multiple of %d (its paged kernels need "
+                "that); using the Triton attention backend. Pass block_size=256 to use flash_attn.",
+                vllm_config.cache_config.block_size, FLASH_ATTN_BLOCK_MULTIPLE,
+            )
 
     def set_device(self, local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank)
@@ -44,11 +74,11 @@ class CudaPlatform(Platform):
     def kv_cache_memory_bytes(self, vllm_config: VllmConfig, device: torch.device) -> int:
         """Bytes for the KV cache: ``total * gpu_memory_utilization`` minus what is in use.
 
-        Called after the weights are loaded and a profiling forward pass has run. "In use" is
-        memory outside torch's allocator (other processes, the CUDA context, NCCL buffers) plus
-        torch's allocation peak (weights + the profiling pass's activations, which every step of
-        the same size needs again). Counting the peak rather than the current use makes the
-        result independent of whether the runner emptied torch's cache after profiling.
+        Called after the weights are loaded and the runner's profiling forward pass has run.
+        "In use" is memory outside torch's allocator (other processes, the CUDA context, NCCL
+        buffers) plus torch's allocation peak (weights + the profiling pass's activations, which
+        every step of the same size needs again). Counting the peak rather than the current use
+        makes the result independent of whether the runner emptied torch's cache after profiling.
         ``cache_config.kv_cache_memory_bytes`` overrides the computation when set.
         """
         cache_config = vllm_config.cache_config
@@ -59,13 +89,19 @@ class CudaPlatform(Platform):
         torch_peak = torch.cuda.max_memory_allocated(device)
         allowed = int(total * cache_config.gpu_memory_utilization)
         budget = allowed - outside_torch - torch_peak
+        logger.info(
+            "GPU memory on %s: %.2f GiB total, %.2f GiB allowed (gpu_memory_utilization=%.2f), %.2f GiB peak of "
+            "weights + activations, %.2f GiB outside torch -> %.2f GiB for the KV cache",
+            device, total / GiB, allowed / GiB, cache_config.gpu_memory_utilization, torch_peak / GiB,
+            outside_torch / GiB, max(budget, 0) / GiB,
+        )
         if budget <= 0:
             raise ValueError(
-                f"no memory left for the KV cache on {device}: {outside_torch / 2**30:.2f} GiB used "
-                f"outside torch plus a {torch_peak / 2**30:.2f} GiB torch peak exceed the "
-                f"{allowed / 2**30:.2f} GiB allowed by gpu_memory_utilization="
-                f"{cache_config.gpu_memory_utilization}; raise gpu_memory_utilization, lower "
-                "max_num_batched_tokens, or use a smaller model"
+                f"no memory left for the KV cache on {device}: {outside_torch / GiB:.2f} GiB used "
+                f"outside torch plus a {torch_peak / GiB:.2f} GiB torch peak (weights + the profiling "
+                f"forward of max_num_batched_tokens) exceed the {allowed / GiB:.2f} GiB allowed by "
+                f"gpu_memory_utilization={cache_config.gpu_memory_utilization}; raise "
+                "gpu_memory_utilization, lower max_num_batched_tokens, or use a smaller model"
             )
         return budget
 
@@ -73,4 +109,4 @@ class CudaPlatform(Platform):
         if not torch.cuda.is_initialized():
             return ""
         free, total = torch.cuda.mem_get_info()
-        return f"GPU memory: {(total - free) / 2**30:.2f} GiB used of {total / 2**30:.2f} GiB"
+        return f"GPU memory: {(total - free) / GiB:.2f} GiB used of {total / GiB:.2f} GiB"

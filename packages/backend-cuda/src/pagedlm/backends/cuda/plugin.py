@@ -29,3 +29,10 @@ def cuda_is_available() -> bool:
 def pagedlm_register_platforms(register: Callable[..., None]) -> None:
     # Priority 10: beats the CPU platform (0) for device="auto" whenever a GPU is usable.
     register("cuda", "pagedlm.backends.cuda.platform:CudaPlatform", is_available=cuda_is_available, priority=10)
+
+
+@hookimpl
+def pagedlm_register_attention_backends(register: Callable[[str, str], None]) -> None:
+    # Class paths only: triton (and flash_attn) are imported when a backend is resolved.
+    register("triton", "pagedlm.backends.cuda.triton_attn:TritonAttentionBackend")
+    register("flash_attn", "pagedlm.backends.cuda.flash_attn:FlashAttentionBackend")

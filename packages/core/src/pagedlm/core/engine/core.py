@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from pagedlm.core.config import VllmConfig
 from pagedlm.core.executor import Executor
@@ -11,6 +13,7 @@ from pagedlm.core.kv_cache import KVCacheManager
 from pagedlm.core.logger import init_logger
 from pagedlm.core.request import EngineCoreRequest, Request, RequestStatus
 from pagedlm.core.sched import EngineCoreOutput, Scheduler, SchedulerStats
+from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 
 logger = init_logger(__name__)
 
@@ -44,6 +47,12 @@ class EngineCore:
             enable_chunked_prefill=sc.enable_chunked_prefill,
         )
         self._stats_listeners: list[StatsListener] = []
+        # Pipeline parallelism: up to pp_size batches in flight, so every stage has work
+        # (a request is in at most one of them: the scheduler skips requests whose sampled
+        # token is not back yet).
+        depth = self.executor.max_concurrent_batches
+        self.batch_queue: deque[tuple[Future, SchedulerOutput]] | None = deque() if depth > 1 else None
+        self.batch_queue_size = depth
 
     def _initialize_kv_cache(self) -> int:
         cc = self.vllm_config.cache_config
@@ -91,10 +100,34 @@ class EngineCore:
         self._stats_listeners.append(listener)
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.batch_queue is not None:
+            return self._step_with_batch_queue(self.batch_queue)
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
+        return self._update(scheduler_output, runner_output)
+
+    def _step_with_batch_queue(self, queue: deque[tuple[Future, SchedulerOutput]]) -> list[EngineCoreOutput]:
+        """Submit a new batch while the queue has room; otherwise (or when nothing new can be
+        scheduled) wait for the oldest batch and return its outputs."""
+        if len(queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
+            # Split the running requests over the pipeline's depth so that, in steady-state
+            # decoding too, every stage has a batch.
+            self.scheduler.max_running_per_batch = -(-len(self.scheduler.running) // self.batch_queue_size)
+            scheduler_output = self.scheduler.schedule()
+            # NOTE: an empty batch still goes out when it carries finished ids, so workers free them.
+            if scheduler_output.total_num_scheduled_tokens > 0 or scheduler_output.finished_req_ids:
+                future = self.executor.execute_model(scheduler_output, non_block=True)
+                queue.append((future, scheduler_output))  # type: ignore[arg-type]
+                if len(queue) < self.batch_queue_size and scheduler_output.total_num_scheduled_tokens > 0:
+                    return []
+        if not queue:
+            return []
+        future, scheduler_output = queue.popleft()
+        return self._update(scheduler_output, future.result())
+
+    def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self._stats_listeners:
             stats = self.scheduler.make_stats()
@@ -104,6 +137,10 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def check_health(self) -> None:
+        """Raise if the executor lost a worker."""
+        self.executor.check_health()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

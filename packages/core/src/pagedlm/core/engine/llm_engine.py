@@ -15,6 +15,28 @@ from pagedlm.core.request import EngineCoreRequest
 from pagedlm.core.sampling_params import SamplingParams
 
 
+def fan_out(core_request: EngineCoreRequest) -> list[EngineCoreRequest]:
+    """The engine requests of one user request: itself for n == 1, else n children of n == 1.
+
+    Child i is ``f"{i}_{request_id}"``; with a seed it samples with ``seed + i``, so a seeded
+    request with n > 1 is reproducible and its choices still differ. (Shared with AsyncLLM.)
+    """
+    params = core_request.sampling_params
+    if params.n == 1:
+        return [core_request]
+    children = []
+    for i in range(params.n):
+        child_params = params.clone()
+        child_params.n = 1
+        if params.seed is not None:
+            child_params.seed = params.seed + i
+        children.append(EngineCoreRequest(
+            request_id=f"{i}_{core_request.request_id}", prompt_token_ids=core_request.prompt_token_ids,
+            sampling_params=child_params, arrival_time=core_request.arrival_time,
+        ))
+    return children
+
+
 class LLMEngine:
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.vllm_config = vllm_config
@@ -26,7 +48,12 @@ class LLMEngine:
             assert mc.tokenizer is not None
             self.tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code,
                                            revision=mc.revision)
-        self.engine_core = InprocClient(vllm_config)
+        if vllm_config.parallel_config.data_parallel_size > 1:
+            from pagedlm.core.engine.dp_client import DPClient
+
+            self.engine_core: InprocClient | DPClient = DPClient(vllm_config)
+        else:
+            self.engine_core = InprocClient(vllm_config)
         self.processor = Processor(vllm_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -52,19 +79,7 @@ class LLMEngine:
         """Queue a request that ``self.processor.process`` already validated."""
         request_id = core_request.request_id
         params = core_request.sampling_params
-        if params.n == 1:
-            children = [core_request]
-        else:
-            children = []
-            for i in range(params.n):
-                child_params = params.clone()
-                child_params.n = 1
-                if params.seed is not None:
-                    child_params.seed = params.seed + i
-                children.append(EngineCoreRequest(
-                    request_id=f"{i}_{request_id}", prompt_token_ids=core_request.prompt_token_ids,
-                    sampling_params=child_params, arrival_time=core_request.arrival_time,
-                ))
+        children = fan_out(core_request)
         self.output_processor.add_request(
             request_id, text, core_request.prompt_token_ids, params,
             [c.request_id for c in children], [c.sampling_params for c in children],

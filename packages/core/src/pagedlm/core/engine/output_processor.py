@@ -96,6 +96,10 @@ class OutputProcessor:
                 continue
             state = self.requests[parent_id]
             seq = state.sequences[out.request_id]
+            if seq.finish_reason is not None:
+                # Already stopped (a stop string) by an earlier output of the same call: AsyncLLM
+                # passes several steps at once when it lags, and the core stops on the abort.
+                continue
             state.num_cached_tokens = out.num_cached_tokens
             if out.new_prompt_logprobs is not None and state.prompt_logprobs is None:
                 state.prompt_logprobs = self._prompt_logprobs(state.prompt_token_ids, out.new_prompt_logprobs)
@@ -138,7 +142,12 @@ class OutputProcessor:
             text = seq.detokenizer.text if seq.detokenizer is not None else ""
             token_ids, logprobs = seq.token_ids, seq.logprobs
             if delta:
-                token_ids, text = token_ids[seq.sent_tokens :], text[seq.sent_text :]
+                end = len(text)
+                if seq.finish_reason is None and seq.params.stop and not seq.params.include_stop_str_in_output:
+                    # A stop string that starts in this text but ends in a later token would cut
+                    # text already streamed; hold back its longest possible prefix until then.
+                    end = max(seq.sent_text, end - max(len(s) for s in seq.params.stop) + 1)
+                token_ids, text = token_ids[seq.sent_tokens :], text[seq.sent_text : end]
                 if logprobs is not None:
                     logprobs = logprobs[seq.sent_tokens :]
                 seq.sent_tokens, seq.sent_text = len(seq.token_ids), seq.sent_text + len(text)

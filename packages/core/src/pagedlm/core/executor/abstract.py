@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 
 from pagedlm.core.config import VllmConfig
 from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -20,10 +21,20 @@ class Executor(ABC):
             from pagedlm.core.executor.uniproc import UniProcExecutor
 
             return UniProcExecutor
-        raise NotImplementedError(
-            f"distributed_executor_backend={backend!r} is not available in this build; use 'uni' "
-            "(tensor_parallel_size=1, pipeline_parallel_size=1)"
-        )
+        if backend == "mp":
+            from pagedlm.core.executor.multiproc import MultiprocExecutor
+
+            return MultiprocExecutor
+        if backend == "ray":
+            from pagedlm.core.executor.ray_executor import RayExecutor
+
+            return RayExecutor
+        raise ValueError(f"distributed_executor_backend={backend!r} must be one of uni, mp, ray")
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """How many batches the engine may have in flight at once (the pipeline depth)."""
+        return 1
 
     @abstractmethod
     def _init_executor(self) -> None:
@@ -40,10 +51,19 @@ class Executor(ABC):
     def initialize_cache(self, num_blocks: int) -> None: ...
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Run one step. ``non_block=True`` returns a future at once (batches in flight, for
+        pipeline parallelism); results then arrive in submission order."""
 
     def check_health(self) -> None:
         """Raise if a worker is dead."""
 
     def shutdown(self) -> None:
         """Stop the workers (idempotent)."""
+
+
+def done_future(value: ModelRunnerOutput) -> Future[ModelRunnerOutput]:
+    future: Future[ModelRunnerOutput] = Future()
+    future.set_result(value)
+    return future

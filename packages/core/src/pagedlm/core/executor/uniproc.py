@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pagedlm.core.executor.abstract import Executor
+from concurrent.futures import Future
+
+from pagedlm.core.executor.abstract import Executor, done_future
 from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedlm.core.worker.worker import Worker
 
@@ -22,5 +24,7 @@ class UniProcExecutor(Executor):
     def initialize_cache(self, num_blocks: int) -> None:
         self.worker.initialize_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        output = self.worker.execute_model(scheduler_output)
+        return done_future(output) if non_block else output

@@ -82,12 +82,9 @@ class KVCacheManager:
             if block is None:
                 break
             computed_blocks.append(block)
-        num_computed_tokens = len(computed_blocks) * self.block_size
-        stats = self.prefix_cache_stats
-        stats.num_requests += 1
-        stats.num_queries_tokens += request.num_tokens
-        stats.num_hit_tokens += num_computed_tokens
-        return computed_blocks, num_computed_tokens
+        # NOTE: stats are recorded when the request is admitted (allocate_slots), not here: the
+        # scheduler looks up a waiting request again every step until it fits.
+        return computed_blocks, len(computed_blocks) * self.block_size
 
     def allocate_slots(
         self,
@@ -135,6 +132,11 @@ class KVCacheManager:
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request.request_id] = []
             self.num_cached_blocks[request.request_id] = 0
+            if self.enable_caching:
+                stats = self.prefix_cache_stats
+                stats.num_requests += 1
+                stats.num_queries_tokens += request.num_tokens
+                stats.num_hit_tokens += num_new_computed_tokens
         if new_computed_blocks:
             # NOTE: touch the hits before taking new blocks; otherwise get_new_blocks could pop
             # (and evict) a free hit block that this very request is about to reuse.

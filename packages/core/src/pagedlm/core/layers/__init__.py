@@ -17,6 +17,7 @@ from pagedlm.core.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from pagedlm.core.layers.pipeline import PPMissingLayer, is_pp_missing, make_layers, pp_layer_range
 from pagedlm.core.layers.rotary import RotaryEmbedding, get_rope
 from pagedlm.core.layers.vocab_embedding import (
     LogitsProcessor,
@@ -31,6 +32,7 @@ __all__ = [
     "LinearBase",
     "LogitsProcessor",
     "MergedColumnParallelLinear",
+    "PPMissingLayer",
     "ParallelLMHead",
     "QKVParallelLinear",
     "RMSNorm",
@@ -42,7 +44,10 @@ __all__ = [
     "compute_logits",
     "get_act_and_mul_fn",
     "get_rope",
+    "is_pp_missing",
+    "make_layers",
     "maybe_prefix",
+    "pp_layer_range",
 ]
 
 

@@ -6,11 +6,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedlm.core.layers.custom_ops import _IMPLS, get_op_impl
+
 
 class SiluAndMul(nn.Module):
     """``x [..., 2I] -> silu(x[..., :I]) * x[..., I:]``, shape ``[..., I]``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _IMPLS:  # a platform registered a fused kernel (layers.custom_ops)
+            fused = get_op_impl("silu_and_mul", x.device.type)
+            if fused is not None:
+                return fused(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 

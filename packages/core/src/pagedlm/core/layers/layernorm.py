@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedlm.core.layers.custom_ops import _IMPLS, get_op_impl
 from pagedlm.core.model_loader.weight_utils import (
     default_weight_loader,
     set_weight_attrs,
@@ -40,6 +41,12 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if _IMPLS:  # a platform registered fused kernels (layers.custom_ops)
+            fused = get_op_impl("rms_norm" if residual is None else "fused_add_rms_norm", x.device.type)
+            if fused is not None:
+                if residual is None:
+                    return fused(x, self.weight, self.variance_epsilon)
+                return fused(x, residual, self.weight, self.variance_epsilon)
         if residual is None:
             return self._norm(x)
         # HF adds the residual in the model dtype before normalising; do the same.

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedlm.core.layers.custom_ops import _IMPLS, get_op_impl
+
 __all__ = ["RotaryEmbedding", "get_rope", "rope_parameters"]
 
 
@@ -95,6 +97,11 @@ class RotaryEmbedding(nn.Module):
         Returns:
             ``(query, key)`` rotated, new tensors of the same shapes and dtypes.
         """
+        if _IMPLS:  # a platform registered a fused kernel (layers.custom_ops)
+            fused = get_op_impl("rotary_embedding", query.device.type)
+            if fused is not None:
+                return fused(positions, query, key, self.cos_sin_cache, self.head_size, self.rotary_dim,
+                             self.is_neox_style)
         cos_sin = self.cos_sin_cache.index_select(0, positions.flatten())
         cos, sin = cos_sin.to(query.dtype).unsqueeze(1).chunk(2, dim=-1)
         q = self._rotate(query, cos, sin)

@@ -50,12 +50,21 @@ def _model_dtype(model_config: ModelConfig) -> torch.dtype:
     return model_config.config_dtype if dtype == "auto" else _STR_TO_DTYPE[dtype]
 
 
-def get_weights_iterator(model_dir: str, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, cpu_tensor)`` pairs of the checkpoint in ``model_dir`` for ``load_format``."""
+def get_weights_iterator(model_dir: str, load_format: str, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, cpu_tensor)`` pairs of the checkpoint in ``model_dir`` for ``load_format``.
+
+    ``lazy=True`` yields safetensors weights as :class:`LazyWeight` (read slice by slice).
+    ``load_format="gguf"`` (or ``"auto"`` with a ``.gguf`` file as ``model_dir``) yields the
+    file's tensors under HF names, dequantized to float32 (always whole tensors).
+    """
+    from pagedlm.core.model_loader.gguf_loader import gguf_weights_iterator, is_gguf_file
+
+    if load_format == "gguf" or (load_format == "auto" and is_gguf_file(model_dir)):
+        return gguf_weights_iterator(model_dir)
     files = find_weight_files(model_dir, load_format)
     if load_format == "pt":
         return pt_weights_iterator(files)
-    return safetensors_weights_iterator(files)
+    return safetensors_weights_iterator(files, lazy=lazy)
 
 
 def load_model(
@@ -93,7 +102,10 @@ def load_model(
                 f'load_format={load_format!r} reads weights from ModelConfig.model, which is not set; '
                 'pass model=DIR or load_format="dummy"'
             )
-        weights = get_weights_iterator(model_config.model, load_format)
+        # NOTE: a multi-rank run reads lazily so each rank reads only its slices (TP) or its
+        # stage's layers (PP); one rank keeps plain tensors, which any model code accepts.
+        lazy = vllm_config.parallel_config.world_size > 1
+        weights = get_weights_iterator(model_config.model, load_format, lazy=lazy)
         loaded = model.load_weights(weights)
         expected = {name for name, _ in model.named_parameters()}
         missing = sorted(expected - set(loaded))

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "LazyWeight",
     "default_weight_loader",
     "find_weight_files",
     "initialize_dummy_weights",
@@ -115,14 +116,97 @@ def _pickle_files(model_dir: str) -> list[str]:
 # -- reading --------------------------------------------------------------------------------------
 
 
-def safetensors_weights_iterator(files: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, cpu_tensor)`` one tensor at a time (memory-mapped, never a whole file)."""
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class LazyWeight:
+    """A checkpoint tensor that is read from disk only as far as it is indexed.
+
+    Tensor-parallel weight loaders take ``weight[start:end]`` / ``weight[:, start:end]`` /
+    ``weight.narrow(dim, start, n)`` of the full checkpoint tensor; on a ``LazyWeight`` those read
+    just that slice (safetensors ``get_slice``), so a rank never holds a full copy of a weight it
+    shards. Anything else (``param.copy_(w)``, ``w.float()``, ``torch.cat([w])``) reads the whole
+    tensor once, through ``__torch_function__`` / attribute fallback, so code written for plain
+    tensors keeps working. Valid while its weights iterator has not moved past it.
+    """
+
+    __slots__ = ("_slice", "_handle", "name", "shape", "dtype", "_full")
+    #: bytes read through all LazyWeights of this process (tests check that ranks read shares)
+    bytes_read = 0
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self._handle = handle
+        self._slice = handle.get_slice(name)
+        self.name = name
+        self.shape = torch.Size(self._slice.get_shape())
+        self.dtype = _SAFETENSORS_DTYPES.get(self._slice.get_dtype())
+        self._full: torch.Tensor | None = None
+
+    def _count(self, t: torch.Tensor) -> torch.Tensor:
+        LazyWeight.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        if self._full is not None:
+            return self._full[index]
+        return self._count(self._slice[index])
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * (dim % len(self.shape)) + (slice(start, start + length),)
+        return self[index]
+
+    def materialize(self) -> torch.Tensor:
+        if self._full is None:
+            self._full = self._count(self._handle.get_tensor(self.name))
+        return self._full
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, dim: int | None = None) -> Any:
+        return self.shape if dim is None else self.shape[dim]
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"LazyWeight({self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def __getattr__(self, attr: str) -> Any:
+        # Reached only for attributes not defined above: behave like the full tensor.
+        return getattr(self.materialize(), attr)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        def real(x: Any) -> Any:
+            if isinstance(x, LazyWeight):
+                return x.materialize()
+            if isinstance(x, (list, tuple)):
+                return type(x)(real(i) for i in x)
+            return x
+
+        return func(*real(tuple(args)), **{k: real(v) for k, v in (kwargs or {}).items()})
+
+
+def safetensors_weights_iterator(files: Iterable[str], lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """Yield ``(name, cpu_tensor)`` one tensor at a time (memory-mapped, never a whole file).
+
+    With ``lazy=True`` the values are :class:`LazyWeight`: nothing is read until a weight loader
+    takes its slice (multi-rank runs, so each rank reads only its share).
+    """
     from safetensors import safe_open
 
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                yield name, f.get_tensor(name)
+                yield name, (LazyWeight(f, name) if lazy else f.get_tensor(name))
 
 
 def pt_weights_iterator(files: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -175,6 +259,10 @@ def load_weights_by_name(
     a checkpoint missing ``k_proj`` is reported by the loader rather than run half-initialised.
     """
     params = dict(model.named_parameters())
+    # Modules held by another pipeline stage: their checkpoint tensors are skipped unread.
+    missing_prefixes = tuple(
+        f"{name}." for name, module in model.named_modules() if type(module).__name__ == "PPMissingLayer"
+    )
     stacked = list(stacked_params)
     skip = tuple(skip)
     expected_shards: dict[str, set[Any]] = {}
@@ -191,6 +279,8 @@ def load_weights_by_name(
             if part in name:
                 target, shard_id, fused_key = name.replace(part, f".{fused}.", 1), sid, fused
                 break
+        if missing_prefixes and target.startswith(missing_prefixes):
+            continue
         param = params.get(target)
         if param is None:
             raise ValueError(

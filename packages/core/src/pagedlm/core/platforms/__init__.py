@@ -23,7 +23,7 @@ def _probe(is_available) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _instantiate(class_path: str) -> Platform:
     cls = resolve_class_path(class_path)
     return cls()

@@ -29,6 +29,11 @@ class Platform:
         """Name of the attention backend to use (a key of the attention-backend registry)."""
         raise NotImplementedError
 
+    def get_model_runner_cls(self, vllm_config: VllmConfig) -> str:
+        """``"module:Class"`` of the model runner workers build on this platform (a subclass of
+        ``pagedlm.core.worker.model_runner.ModelRunner``, constructed as ``Cls(vllm_config, device)``)."""
+        return "pagedlm.core.worker.model_runner:ModelRunner"
+
     def check_and_update_config(self, vllm_config: VllmConfig) -> None:
         """Validate or adjust the config for this platform (block size, dtype, graphs)."""
 

@@ -11,9 +11,10 @@ import argparse
 import importlib
 import importlib.metadata
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 

@@ -9,7 +9,8 @@ an entry point in group ``pagedlm`` (see docs/plugins.md).
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pluggy
 
@@ -70,4 +71,19 @@ def pagedlm_check_and_update_config(vllm_config: VllmConfig) -> None:
     Called for every plugin, after the platform's own ``check_and_update_config``. Raise
     ``ValueError`` with an actionable message to refuse a configuration; mutate fields to adjust
     it. Returns nothing.
+    """
+
+
+@hookspec
+def pagedlm_default_model(register: Callable[..., None]) -> None:
+    """Offer a model to run when the user names none (``LLM()``, ``pagedlm generate "..."``).
+
+    Call ``register(name, resolve, priority=0, install_hint=None)``: ``name`` is what users are
+    told they are running (e.g. ``"Gemma 3 270M (Q4_K_M GGUF)"``); ``resolve`` is a
+    ``"module:function"`` string (imported only when a default model is actually needed) naming a
+    function that takes no arguments and returns the local path of the model (an HF directory or
+    a ``.gguf`` file), preparing it first if needed (e.g. assembling it into the pagedlm cache),
+    or returns None when the model's files are not installed; ``install_hint`` then tells the
+    user how to install them. The highest ``priority`` whose ``resolve`` returns a path wins.
+    Returns nothing.
     """

@@ -70,6 +70,9 @@ class SamplingMetadata:
     output_token_ids: list[list[int]]
     min_tokens: dict[int, tuple[int, set[int]]]
     logit_bias: list[dict[int, float] | None]
+    #: largest top-k of any row (``None`` when no row uses top-k): lets the sampler use
+    #: ``torch.topk`` instead of sorting the vocabulary
+    max_top_k: int | None = None
 
     @property
     def num_rows(self) -> int:
@@ -107,7 +110,7 @@ def build_sampling_metadata(
     device = torch.device(device)
 
     def f32(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)
+        return _to_device(values, torch.float32, device)
 
     temps = [0.0 if p.temperature < _SAMPLING_EPS else float(p.temperature) for p in params]
     greedy = [t == 0.0 for t in temps]
@@ -130,7 +133,7 @@ def build_sampling_metadata(
     if not no_penalties:
         max_len = max((len(p) for p in prompt_token_ids), default=0)
         padded = [list(p) + [vocab_size] * (max_len - len(p)) for p in prompt_token_ids]
-        prompt_tensor = torch.tensor(padded, dtype=torch.int64, device=device).reshape(num_rows, max_len)
+        prompt_tensor = _to_device(padded, torch.int64, device).reshape(num_rows, max_len)
 
     min_tokens: dict[int, tuple[int, set[int]]] = {}
     for row, p in enumerate(params):
@@ -143,7 +146,7 @@ def build_sampling_metadata(
         all_greedy=all(greedy),
         all_random=not any(greedy),
         top_p=None if all(v == 1.0 for v in top_p) else f32(top_p),
-        top_k=None if all(v == 0 for v in top_k) else torch.tensor(top_k, dtype=torch.int64, device=device),
+        top_k=None if all(v == 0 for v in top_k) else _to_device(top_k, torch.int64, device),
         min_p=None if all(v == 0.0 for v in min_p) else f32(min_p),
         generators=dict(generators or {}),
         max_num_logprobs=max(logprobs) if logprobs else None,
@@ -155,4 +158,19 @@ def build_sampling_metadata(
         output_token_ids=list(output_token_ids),
         min_tokens=min_tokens,
         logit_bias=[{int(k): float(v) for k, v in p.logit_bias.items()} if p.logit_bias else None for p in params],
+        max_top_k=max(top_k) if any(top_k) else None,
     )
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on ``device`` without waiting for the device.
+
+    ``torch.tensor(values, device="cuda")`` is a blocking copy: the host waits until the GPU has
+    finished the forward pass queued before it, so nothing the host does afterwards overlaps
+    with it. A non-blocking copy from pageable memory is staged by the driver at once and queued
+    in stream order, so the metadata is built while the forward runs.
+    """
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    return host.to(device, non_blocking=True)

@@ -112,7 +112,7 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.min_p is not None:
         logits = apply_min_p(logits, md.min_p)
     if md.top_k is not None or md.top_p is not None:
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p, max_top_k=md.max_top_k)
     probs = logits.softmax(dim=-1)
     random_tokens = exponential_race(probs, _random_generators(md))
     if greedy_tokens is None:
@@ -131,8 +131,17 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+#: largest k for which top-k alone uses ``torch.topk`` instead of a full sort of the vocabulary
+TOPK_WITHOUT_SORT_MAX = 1024
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                      max_top_k: int | None = None) -> torch.Tensor:
     """Masks everything outside each row's top-k tokens, then outside its top-p nucleus.
+
+    With top-k alone and ``max_top_k`` (the largest k of any row, known on the host) at most
+    ``TOPK_WITHOUT_SORT_MAX``, the k-th largest logit of each row comes from one ``topk`` of
+    ``max_top_k`` columns instead of a sort of the whole vocabulary (same result).
 
     Args:
         logits: ``[B, V]`` float32 (temperature-scaled). Not modified.
@@ -145,6 +154,13 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     """
     vocab_size = logits.shape[-1]
     neg_inf = float("-inf")
+    if top_p is None and top_k is not None and max_top_k is not None and 0 < max_top_k <= TOPK_WITHOUT_SORT_MAX \
+            and max_top_k < vocab_size:
+        k = top_k.to(device=logits.device, dtype=torch.int64)
+        largest = logits.topk(max_top_k, dim=-1).values  # [B, max_top_k], descending
+        kth_largest = largest.gather(1, (k.clamp(1, max_top_k) - 1).unsqueeze(1))  # [B, 1]
+        off = ((k <= 0) | (k >= vocab_size)).unsqueeze(1)  # rows without top-k keep everything
+        return logits.masked_fill((logits < kth_largest) & ~off, neg_inf)
     # One ascending sort serves both filters: the k-th largest is at column V - k, and the
     # nucleus is a suffix of the sorted row.
     sorted_logits, order = logits.sort(dim=-1, descending=False)  # [B, V] each
@@ -179,8 +195,13 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
         q.exponential_()
     # A loop over seeded rows only (not the vocabulary): each generator must produce its own
     # row regardless of its position in the batch.
+    same_device: dict[torch.device, bool] = {}  # per generator device, not per row (hot loop)
     for row, generator in generators.items():
-        if _same_device(generator.device, q.device):
+        gen_device = generator.device
+        same = same_device.get(gen_device)
+        if same is None:
+            same = same_device[gen_device] = _same_device(gen_device, q.device)
+        if same:
             q[row].exponential_(generator=generator)
         else:
             # E.g. a CPU generator with CUDA logits: draw where the generator lives, then copy.

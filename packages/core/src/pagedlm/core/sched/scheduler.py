@@ -79,6 +79,10 @@ class Scheduler:
         self.num_preemptions_total = 0
         self._step = 0
         self._last_stats = SchedulerStats()
+        #: most running requests one batch takes (None: no cap). With pipeline parallelism the
+        #: engine sets it to a share of the running requests, so decodes split into several
+        #: batches that occupy the stages at once instead of one batch and idle stages.
+        self.max_running_per_batch: int | None = None
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -125,12 +129,17 @@ class Scheduler:
 
         # 1. running requests, oldest first.
         index = 0
-        while index < len(self.running) and token_budget > 0:
+        num_running_scheduled = 0
+        cap = self.max_running_per_batch
+        while index < len(self.running) and token_budget > 0 and (cap is None or num_running_scheduled < cap):
             request = self.running[index]
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            # NOTE: every running request has at least one token to compute: either the rest of
-            # its prompt, or the token sampled in the previous step.
-            assert num_new_tokens > 0, request
+            # NOTE: a running request has at least one token to compute (the rest of its prompt,
+            # or the token sampled in the previous step) unless its last batch is still in flight
+            # (pipeline parallelism keeps several batches in flight); then it waits for the token.
+            if num_new_tokens == 0:
+                index += 1
+                continue
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
             while new_blocks is None:
                 victim = self.running.pop()
@@ -148,6 +157,7 @@ class Scheduler:
             cached.new_block_ids.append([b.block_id for b in new_blocks])
             cached.num_computed_tokens.append(request.num_computed_tokens)
             cached.token_ids.append(None)
+            num_running_scheduled += 1
             index += 1
 
         # 2. waiting requests, FCFS.

@@ -263,8 +263,12 @@ def make_tiny_checkpoint(
         save_kwargs["max_shard_size"] = max(total // 4, 1)
     model.save_pretrained(str(out), **save_kwargs)
     _write_config_json(model.config, out, _rope_theta_of(model.config))
-    style = "qwen2" if arch.startswith("qwen") else "gpt2"
-    build_bpe_tokenizer(out, vocab_size=vocab_size, model_max_length=max_position_embeddings, style=style)
+    build_bpe_tokenizer(
+        out,
+        vocab_size=vocab_size,
+        model_max_length=max_position_embeddings,
+        style="qwen2" if arch.startswith("qwen") else "gpt2",
+    )
     if sharded and not (out / "model.safetensors.index.json").exists():
         raise AssertionError(f"sharded checkpoint in {out} has no model.safetensors.index.json")
     return str(out)

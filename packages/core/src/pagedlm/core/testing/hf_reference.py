@@ -42,12 +42,14 @@ class HFGreedyResult:
         return {int(i): float(v) for i, v in zip(ids, values)}
 
 
-def _load_hf_model(model_dir: str | os.PathLike[str]):
+def _load_hf_model(model_dir: str | os.PathLike[str]) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
+    # Typed as Any: transformers' decorator-wrapped from_pretrained confuses type checkers.
+    auto: Any = AutoModelForCausalLM
     # Eager attention is the plainest formulation, which is what a reference should be.
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
+    model = auto.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
     return model.to("cpu").eval()
 
 
@@ -256,7 +258,7 @@ def assert_greedy_matches_hf(
 
 def _tokenize_prompts(model_dir: str | os.PathLike[str], prompts: Sequence[Sequence[int] | str]) -> list[list[int]]:
     if not any(isinstance(p, str) for p in prompts):
-        return [[int(t) for t in p] for p in prompts]  # type: ignore[union-attr]
+        return [[int(t) for t in p] for p in prompts]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))

@@ -8,6 +8,7 @@ import torch
 from pagedlm.core.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pagedlm.core.attention.selector import get_attn_backend_cls
 from pagedlm.core.config import VllmConfig
+from pagedlm.core.distributed import get_pp_group, pp_forward
 from pagedlm.core.forward_context import set_forward_context
 from pagedlm.core.logger import init_logger
 from pagedlm.core.model_loader import load_model
@@ -71,12 +72,20 @@ class ModelRunner:
         if sched.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         step = batch.prepare(sched)
-        metadata = self.metadata_builder.build(self._common_metadata(step))
-        input_ids = torch.from_numpy(step.input_ids).to(self.device, non_blocking=True)
-        positions = torch.from_numpy(step.positions).to(self.device, non_blocking=True)
         assert self.model is not None
-        with set_forward_context(metadata):
-            hidden_states = self.model(input_ids, positions)
+        if get_pp_group().world_size == 1:
+            hidden_states = self.run_model(step)
+        else:
+            metadata = self.metadata_builder.build(self._common_metadata(step))
+            input_ids = torch.from_numpy(step.input_ids).to(self.device, non_blocking=True)
+            positions = torch.from_numpy(step.positions).to(self.device, non_blocking=True)
+            with set_forward_context(metadata):
+                pp_hidden = pp_forward(self.model, input_ids, positions, dtype=self.dtype,
+                                       hidden_size=self.vllm_config.model_config.hidden_size)
+            if pp_hidden is None:
+                # A non-last pipeline stage handed its activations on; the last one samples.
+                return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=[[] for _ in step.req_ids])
+            hidden_states = pp_hidden
 
         states = [batch.requests[r] for r in step.req_ids]
         prompt_logprobs = self._prompt_logprobs(step, states, hidden_states)
@@ -85,7 +94,9 @@ class ModelRunner:
         logprobs: dict[str, LogprobsLists] = {}
         if len(step.sample_indices):
             sample_states = [states[i] for i in step.sample_indices]
-            logits_indices = torch.from_numpy(step.query_start_loc[1:][step.sample_indices] - 1).to(self.device)
+            # non_blocking: a blocking copy would make the host wait for the forward pass here
+            logits_indices = torch.from_numpy(step.query_start_loc[1:][step.sample_indices] - 1).to(
+                self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden_states[logits_indices])
             generators = {i: s.generator for i, s in enumerate(sample_states) if s.generator is not None}
             metadata_s = build_sampling_metadata(
@@ -107,6 +118,24 @@ class ModelRunner:
                     logprobs[state.req_id] = ([lp[0][j][: k + 1]], [lp[1][j][: k + 1]], [lp[2][j]])
         return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
                                  prompt_logprobs=prompt_logprobs)
+
+    def run_model(self, step: StepInputs) -> torch.Tensor:
+        """The forward pass of one (single-stage) step: ``[T, hidden]`` for the step's ``T`` tokens.
+
+        Extension point: device runners override it to feed persistent input buffers and replay
+        captured graphs (pagedlm-backend-cuda's ``CudaModelRunner``).
+        """
+        assert self.model is not None
+        metadata = self.metadata_builder.build(self._common_metadata(step))
+        input_ids = torch.from_numpy(step.input_ids).to(self.device, non_blocking=True)
+        positions = torch.from_numpy(step.positions).to(self.device, non_blocking=True)
+        with set_forward_context(metadata):
+            return self.model(input_ids, positions)
+
+    def profile_run(self) -> None:
+        """Run the largest step the engine will schedule, before the KV cache exists, so the
+        platform can measure the activation peak. Extension point: a no-op here (host memory
+        is not sized from a peak); device runners override it."""
 
     def _common_metadata(self, step: StepInputs) -> CommonAttentionMetadata:
         dev = self.device

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pagedlm.core.config import VllmConfig
+from pagedlm.core.distributed import (
+    destroy_distributed_environment,
+    get_pp_group,
+    init_distributed_environment,
+    initialize_model_parallel,
+)
 from pagedlm.core.logger import init_logger
 from pagedlm.core.platforms import resolve_platform
+from pagedlm.core.plugins import resolve_class_path
 from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedlm.core.worker.model_runner import ModelRunner
 
@@ -14,18 +23,38 @@ logger = init_logger(__name__)
 
 
 class Worker:
-    def __init__(self, vllm_config: VllmConfig, *, local_rank: int = 0, rank: int = 0) -> None:
+    """``rank`` is the global rank (``pp_rank * tp + tp_rank``); ``local_rank`` picks the device
+    on this host. ``distributed_init_method`` (``tcp://host:port``) is needed for more than one
+    rank."""
+
+    def __init__(self, vllm_config: VllmConfig, *, local_rank: int = 0, rank: int = 0,
+                 distributed_init_method: str | None = None) -> None:
         self.vllm_config = vllm_config
         self.local_rank = local_rank
         self.rank = rank
+        self.distributed_init_method = distributed_init_method
         self.platform = resolve_platform(vllm_config.device_config.device)
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
 
     def init_device(self) -> None:
         self.device = self.platform.set_device(self.local_rank)
+        pc = self.vllm_config.parallel_config
+        if pc.world_size > 1:
+            if self.platform.device_type == "cpu":
+                # Ranks of one host share its cores; torch's default (all cores per process)
+                # would oversubscribe them and make every collective wait on descheduled peers.
+                cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+                torch.set_num_threads(max(1, cores // (pc.world_size * pc.data_parallel_size)))
+            if self.distributed_init_method is None:
+                raise ValueError("a multi-rank worker needs distributed_init_method")
+            init_distributed_environment(world_size=pc.world_size, rank=self.rank,
+                                         init_method=self.distributed_init_method,
+                                         backend=self.platform.dist_backend)
+            initialize_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size)
         torch.manual_seed(self.vllm_config.model_config.seed)
-        self.model_runner = ModelRunner(self.vllm_config, self.device)
+        runner_cls = resolve_class_path(self.platform.get_model_runner_cls(self.vllm_config))
+        self.model_runner = runner_cls(self.vllm_config, self.device)
 
     def load_model(self) -> None:
         assert self.model_runner is not None
@@ -41,6 +70,7 @@ class Worker:
         override = self.vllm_config.cache_config.num_gpu_blocks_override
         if override is not None:
             return override
+        self.model_runner.profile_run()
         budget = self.platform.kv_cache_memory_bytes(self.vllm_config, self.device)
         return max(budget // self.kv_cache_bytes_per_block(), 0)
 
@@ -48,6 +78,25 @@ class Worker:
         assert self.model_runner is not None
         self.model_runner.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      sampled_token_ids: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
+        """Run one step. ``sampled_token_ids`` are tokens the last pipeline stage sampled in
+        earlier steps (req id -> tokens, oldest first); only the last stage samples, so the other
+        stages learn the tokens they must feed next from the executor, before the step that
+        schedules them."""
         assert self.model_runner is not None
+        if sampled_token_ids and not get_pp_group().is_last_rank:
+            batch = self.model_runner.input_batch
+            for req_id, token_ids in sampled_token_ids.items():
+                state = batch.requests.get(req_id)
+                if state is None:
+                    continue  # finished or aborted meanwhile
+                for token_id in token_ids:
+                    batch.append_sampled(state, token_id)
         return self.model_runner.execute_model(scheduler_output)
+
+    def check_health(self) -> None:
+        """Returns if the worker can serve calls (the executor times the answer)."""
+
+    def shutdown(self) -> None:
+        destroy_distributed_environment()

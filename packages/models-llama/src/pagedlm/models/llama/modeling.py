@@ -15,17 +15,20 @@ from torch import nn
 
 from pagedlm.core.attention import Attention
 from pagedlm.core.config import VllmConfig
-from pagedlm.core.distributed import get_tensor_model_parallel_world_size
+from pagedlm.core.distributed import IntermediateTensors, get_pp_group, get_tensor_model_parallel_world_size
 from pagedlm.core.layers import (
     LogitsProcessor,
     MergedColumnParallelLinear,
     ParallelLMHead,
+    PPMissingLayer,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
     get_act_and_mul_fn,
     get_rope,
+    is_pp_missing,
+    make_layers,
     maybe_prefix,
 )
 from pagedlm.core.model_loader import load_weights_by_name
@@ -137,23 +140,37 @@ class LlamaModel(nn.Module):
         self.config = config
         self.vocab_size = config.vocab_size
         sliding_window = getattr(config, "sliding_window", None) if use_sliding_window else None
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
+        # NOTE: with pipeline parallelism this rank builds only its stage's modules (the others
+        # are parameter-free placeholders), so each stage holds and loads only its share.
+        pp = get_pp_group()
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens"))
+            if pp.is_first_rank else PPMissingLayer()
         )
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, maybe_prefix(prefix, f"layers.{i}"), sliding_window)
-            for i in range(config.num_hidden_layers)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda i: LlamaDecoderLayer(config, maybe_prefix(prefix, f"layers.{i}"), sliding_window),
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if pp.is_last_rank else PPMissingLayer()
 
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.get_input_embeddings(input_ids)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        """A non-first pipeline stage starts from the previous stage's ``intermediate_tensors``;
+        a non-last stage returns its activations as ``IntermediateTensors`` instead."""
+        residual: torch.Tensor | None
+        if intermediate_tensors is None:
+            hidden_states = self.get_input_embeddings(input_ids)
+            residual = None
+        else:
+            hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual)
+        if not get_pp_group().is_last_rank:
+            assert residual is not None
+            return IntermediateTensors(hidden_states=hidden_states, residual=residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -177,25 +194,38 @@ class LlamaForCausalLM(nn.Module):
             vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"),
             use_sliding_window=self.use_sliding_window,
         )
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.tie_weights(self.model.embed_tokens)
+        self.lm_head: ParallelLMHead | PPMissingLayer = PPMissingLayer()
+        if get_pp_group().is_last_rank:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
+                                          prefix=maybe_prefix(prefix, "lm_head"))
+            # NOTE: a last stage that is not also the first holds no embedding to tie to; it
+            # gets its own copy, loaded from the embedding's tensor (see load_weights).
+            if getattr(config, "tie_word_embeddings", False) and not is_pp_missing(self.model.embed_tokens):
+                self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        assert isinstance(self.lm_head, ParallelLMHead), "logits are computed on the last pipeline stage only"
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skip = SKIPPED_WEIGHTS
         if getattr(self.config, "tie_word_embeddings", False):
-            # NOTE: the head shares the embedding Parameter; a saved copy would load it twice.
-            skip = (*skip, "lm_head.weight")
+            if is_pp_missing(self.model.embed_tokens) and not is_pp_missing(self.lm_head):
+                # A last pipeline stage without the embedding: its untied head copy is the
+                # embedding's tensor.
+                weights = (("lm_head.weight" if n == "model.embed_tokens.weight" else n, w)
+                           for n, w in weights if n != "lm_head.weight")
+            else:
+                # NOTE: the head shares the embedding Parameter; a saved copy would load it twice.
+                skip = (*skip, "lm_head.weight")
         return load_weights_by_name(self, weights, STACKED_PARAMS, skip)
 
 

@@ -1,0 +1,112 @@
+"""Decode paged-attention kernel alone: bytes of K/V read over kernel time, against the copy
+bandwidth measured on the same GPU, for a few launch configurations; plus one prefill shape.
+
+    python packages/backend-cuda/benchmarks/bench_attention.py [--batch 256] [--context 1024]
+
+Prints a table and writes ``--output-json``. Shapes default to Qwen3-0.6B's attention (16 query
+heads, 8 kv heads, head size 128), bf16, block size 16, block ids randomly permuted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton.testing
+
+from pagedlm.backends.cuda.kernels.paged_attention import choose_num_splits, paged_attention
+
+
+def copy_bandwidth(gib: float = 4.0) -> float:
+    """Device-to-device copy, bytes read + written per second (the practical HBM ceiling)."""
+    n = int(gib * 2**30) // 4
+    src = torch.empty(n, dtype=torch.float32, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * n * 4 / (ms * 1e-3)
+
+
+def make_batch(batch, context, heads, kv_heads, head, block_size, dtype, query_len=1):
+    blocks_per = -(-context // block_size)
+    num_blocks = batch * blocks_per + 8
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head, dtype=dtype, device="cuda")
+    perm = torch.randperm(num_blocks, device="cuda")[: batch * blocks_per].to(torch.int32)
+    block_table = perm.view(batch, blocks_per).contiguous()
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(0, (batch + 1) * query_len, query_len, dtype=torch.int32, device="cuda")
+    query = torch.randn(batch * query_len, heads, head, dtype=dtype, device="cuda")
+    return cache, block_table, seq_lens, qsl, query
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args()
+    dtype = torch.bfloat16
+    bw = copy_bandwidth()
+    cache, bt, seq_lens, qsl, query = make_batch(args.batch, args.context, args.heads, args.kv_heads,
+                                                 args.head_size, args.block_size, dtype)
+    out = torch.empty_like(query)
+    kv_bytes = 2 * args.batch * args.context * args.kv_heads * args.head_size * 2
+    rows = []
+    configs = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+    for cfg in configs:
+        def run(cfg=cfg):
+            paged_attention(out, query, cache[0], cache[1], block_table=bt, seq_lens=seq_lens, query_start_loc=qsl,
+                            num_reqs=args.batch, num_tokens=args.batch, max_query_len=1,
+                            scale=args.head_size**-0.5, config=cfg)
+        try:
+            ms = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
+        except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is a result
+            rows.append({**cfg, "error": f"{type(e).__name__}: {str(e)[:80]}"})
+            continue
+        rows.append({**cfg, "ms": ms, "TB/s": kv_bytes / (ms * 1e-3) / 1e12, "of_copy_bw": kv_bytes / (ms * 1e-3) / bw})
+    # small batches use split-KV; report one such shape with the default config
+    small = {}
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for batch in (1, 8, 32):
+        c2, bt2, sl2, q2s, qu2 = make_batch(batch, 8192, args.heads, args.kv_heads, args.head_size,
+                                             args.block_size, dtype)
+        o2 = torch.empty_like(qu2)
+        for ns in sorted({1, choose_num_splits(batch, args.kv_heads, 8192, num_sms)}):
+            def run_split(ns=ns, o2=o2, qu2=qu2, c2=c2, bt2=bt2, sl2=sl2, q2s=q2s, batch=batch):
+                paged_attention(o2, qu2, c2[0], c2[1], block_table=bt2, seq_lens=sl2, query_start_loc=q2s,
+                                num_reqs=batch, num_tokens=batch, max_query_len=1, scale=args.head_size**-0.5,
+                                num_splits=ns)
+            ms = triton.testing.do_bench(run_split, warmup=25, rep=200, return_mode="median")
+            b = 2 * batch * 8192 * args.kv_heads * args.head_size * 2
+            small[f"batch{batch}_ctx8192_splits{ns}"] = {"ms": ms, "TB/s": b / (ms * 1e-3) / 1e12}
+    # one prefill shape: 16 prompts x 512 new tokens, no cache
+    c3, bt3, sl3, q3s, qu3 = make_batch(16, 512, args.heads, args.kv_heads, args.head_size, args.block_size, dtype,
+                                        query_len=512)
+    o3 = torch.empty_like(qu3)
+    ms = triton.testing.do_bench(
+        lambda: paged_attention(o3, qu3, c3[0], c3[1], block_table=bt3, seq_lens=sl3, query_start_loc=q3s, num_reqs=16,
+                                num_tokens=16 * 512, max_query_len=512, scale=args.head_size**-0.5),
+        warmup=25, rep=200, return_mode="median")
+    flops = 16 * args.heads * (512 * 512 / 2) * args.head_size * 4  # causal: half the QK^T and PV work
+    prefill = {"ms": ms, "TFLOP/s": flops / (ms * 1e-3) / 1e12}
+    ok = [r for r in rows if "ms" in r]
+    best = min(ok, key=lambda r: r["ms"]) if ok else None
+    print(f"copy bandwidth (read+write): {bw / 1e12:.2f} TB/s")
+    print(f"decode batch={args.batch} context={args.context} K/V bytes={kv_bytes / 2**30:.2f} GiB")
+    for r in rows:
+        print("  ", r)
+    print("best:", best)
+    print("split-KV:", json.dumps(small))
+    print("prefill 16x512:", prefill)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"copy_bw": bw, "decode": rows, "best": best, "split": small, "prefill": prefill,
+                       "args": vars(args), "device": torch.cuda.get_device_name()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# One GPU session for the CUDA backend: install the workspace, run the GPU tests, the kernel
+# benchmark and the throughput benchmarks. Every stage logs to $OUT/<stage>.log and is bounded by
+# its own timeout, so one failing stage still leaves the others' results.
+#
+#   STAGES=install,kernels-tests,nano,kernel-bench,tests,fixed-hf bash packages/backend-cuda/benchmarks/gpu_session.sh
+#
+# Needs the wheels in .whl/ (hatchling & co., see ../shared/tools/device-wheels) on a machine
+# without a package index.
+set -u
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/pagedlm-gpu-out}
+mkdir -p "$OUT"
+STAGES=${STAGES:-install,kernels-tests,nano,kernel-bench,tests,fixed-hf}
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+stage() {  # stage NAME TIMEOUT CMD...
+  local name=$1 limit=$2; shift 2
+  echo "=== $(date +%T) $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $(date +%T) $name rc=$rc in $((SECONDS - t0))s"
+  tail -n "${TAIL:-15}" "$OUT/$name.log"
+}
+
+summary() {  # summary FILE.json: the numbers a results table needs
+  python3 - "$1" <<'PY' || true
+import json, sys
+r = json.load(open(sys.argv[1]))
+keys = ("init_s", "elapsed_s", "output_tokens_per_s", "total_tokens_per_s", "num_steps", "speedup_vs_hf")
+print("SUMMARY", sys.argv[1], {k: round(r[k], 3) if isinstance(r.get(k), float) else r.get(k) for k in keys})
+if "hf" in r:
+    print("SUMMARY hf", {k: v for k, v in r["hf"].items() if not isinstance(v, (dict, list))})
+PY
+}
+
+if has install; then
+  stage install 120 bash -c '
+    python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl &&
+    python3 -m pip install -q --no-deps --no-build-isolation -e packages/core -e packages/backend-cpu \
+      -e packages/backend-cuda -e packages/models-llama -e packages/models-qwen &&
+    python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())" &&
+    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv'
+fi
+if has kernels-tests; then
+  TAIL=25 stage kernels-tests 240 python3 -m pytest -q -n 12 -p no:cacheprovider -rf tests/cuda
+fi
+BENCH="pagedlm bench throughput --model-config qwen3-0.6b --load-format dummy"
+if has nano; then
+  stage nano 240 $BENCH --workload nano --output-json "$OUT/nano.json"
+  summary "$OUT/nano.json"
+fi
+if has nano-greedy; then
+  stage nano-greedy 180 $BENCH --workload nano --temperature 0 --output-json "$OUT/nano-greedy.json"
+  summary "$OUT/nano-greedy.json"
+fi
+if has nano-profile; then
+  stage nano-profile 240 python3 -m cProfile -o "$OUT/nano.prof" -m pagedlm.core.cli bench throughput \
+    --model-config qwen3-0.6b --load-format dummy --workload nano
+  python3 -c "import pstats; pstats.Stats('$OUT/nano.prof').sort_stats('tottime').print_stats(25)" \
+    >"$OUT/nano-profile-top.txt" 2>&1; head -60 "$OUT/nano-profile-top.txt"
+fi
+if has kernel-bench; then
+  stage kernel-bench 180 python3 packages/backend-cuda/benchmarks/bench_attention.py --output-json "$OUT/kernel.json"
+fi
+if has fixed-hf; then
+  stage fixed-hf 420 $BENCH --workload fixed --num-prompts 256 --input-len 512 --output-len 512 --compare hf \
+    --output-json "$OUT/fixed-hf.json"
+  summary "$OUT/fixed-hf.json"
+fi
+if has tests; then
+  # -v: with xdist every result is a line as it happens, so a cut-off run still names its failures
+  TAIL=40 stage tests ${TESTS_LIMIT:-300} python3 -m pytest -v -n 12 -p no:cacheprovider -rf --timeout=600 \
+    ${TESTS:-tests}
+  grep -E "FAILED|ERROR" "$OUT/tests.log" | sort -u | head -40
+fi
+if has fixed; then
+  stage fixed 180 $BENCH --workload fixed --num-prompts 256 --input-len 512 --output-len 512 \
+    --output-json "$OUT/fixed.json"
+fi
+echo "=== $(date +%T) done"

@@ -1,0 +1,216 @@
+"""Fused Triton versions of the small layer ops core computes in plain torch.
+
+In eager torch an RMSNorm is ~8 kernels, a rotary embedding ~15 and SiLU-and-mul 2; one decoder
+layer of a 0.6B model then launches ~60 tiny memory-bound kernels, which dominates a decode step
+even inside a CUDA graph. Each op here is one kernel.
+
+Every op repeats the rounding steps of core's torch version (= HF transformers') in the same
+order: bf16/fp16 results are rounded where torch rounds them (sum of residual and input, the
+normalised value before the weight multiply, each rotary product), so greedy outputs keep
+matching HF. Registered for the ``cuda`` device type by :func:`register_cuda_layer_ops`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["fused_add_rms_norm", "register_cuda_layer_ops", "rms_norm", "rotary_embedding", "silu_and_mul"]
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, inner, stride_x0, stride_x1, stride_r, eps,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    """One row per program. Row ``r`` of ``x`` is at ``(r // inner) * stride_x0 + (r % inner) *
+    stride_x1`` (so a ``[T, H, D]`` view of a fused projection needs no copy); outputs are
+    contiguous ``[rows, N]``."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x_off = (row // inner) * stride_x0 + (row % inner) * stride_x1
+    x = tl.load(x_ptr + x_off + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # rounded like torch's add
+        tl.store(sum_ptr + row * N + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, 0) / N
+    normed = (h * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows_view(x: torch.Tensor) -> tuple[int, int, int, int]:
+    """``(rows, inner, stride0, stride1)`` addressing every last-dim row of ``x`` (up to 3-D)."""
+    if x.stride(-1) != 1:
+        raise ValueError("the last dimension must be contiguous")
+    if x.dim() == 1:
+        return 1, 1, 0, 0
+    if x.dim() == 2:
+        return x.shape[0], 1, x.stride(0), 0
+    if x.dim() == 3:
+        return x.shape[0] * x.shape[1], x.shape[1], x.stride(0), x.stride(1)
+    flat = x.reshape(-1, x.shape[-1])
+    return flat.shape[0], 1, flat.stride(0), 0
+
+
+def _launch_norm(x, residual, weight, eps):
+    n = x.shape[-1]
+    rows, inner, s0, s1 = _rows_view(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    summed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
+    if residual is not None:
+        residual = residual.reshape(rows, n)
+    if rows:
+        block = triton.next_power_of_2(n)
+        _rms_norm_kernel[(rows,)](
+            x if x.dim() <= 3 else x.reshape(-1, n), residual if residual is not None else x, weight, out, summed,
+            inner, s0, s1, residual.stride(0) if residual is not None else 0, float(eps),
+            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=max(1, min(8, block // 256)),
+        )
+    return out, summed
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x [..., N]`` (last dim contiguous) -> normalised ``[..., N]`` contiguous."""
+    return _launch_norm(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(x + residual), x + residual)``, both ``[..., N]``, in one pass."""
+    return _launch_norm(x, residual, weight, eps)
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, out_ptr, row_in, row_out, cos, sin, heads,
+    HEAD_SIZE: tl.constexpr, ROT_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+    PASS_PAD: tl.constexpr, NEOX: tl.constexpr,
+):
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    i = tl.arange(0, HALF_PAD)[None, :]
+    mask = (h < heads) & (i < ROT_DIM // 2)
+    if NEOX:  # pairs (i, i + rot/2)
+        first = h * HEAD_SIZE + i
+        second = first + ROT_DIM // 2
+    else:  # GPT-J pairs (2i, 2i + 1)
+        first = h * HEAD_SIZE + 2 * i
+        second = first + 1
+    x1 = tl.load(x_ptr + row_in + first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + row_in + second, mask=mask, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    # torch computes x1*cos - x2*sin in the activation dtype: round each product, then the sum
+    o1 = ((x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)).to(dt)
+    tl.store(out_ptr + row_out + first, o1, mask=mask)
+    tl.store(out_ptr + row_out + second, o2, mask=mask)
+    if PASS_PAD > 0:  # features past rotary_dim pass through
+        j = tl.arange(0, PASS_PAD)[None, :]
+        pmask = (h < heads) & (j < HEAD_SIZE - ROT_DIM)
+        rest = h * HEAD_SIZE + ROT_DIM + j
+        tl.store(out_ptr + row_out + rest, tl.load(x_ptr + row_in + rest, mask=pmask), mask=pmask)
+
+
+@triton.jit
+def _rotary_kernel(
+    pos_ptr, cos_sin_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, stride_q, stride_k, num_q_heads, num_k_heads,
+    HEAD_SIZE: tl.constexpr, ROT_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+    PASS_PAD: tl.constexpr, NEOX: tl.constexpr, HAS_KEY: tl.constexpr,
+):
+    """One token per program: rotate all its query heads and key heads."""
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    i = tl.arange(0, HALF_PAD)[None, :]
+    cmask = i < ROT_DIM // 2
+    dt = q_out_ptr.dtype.element_ty
+    # the cos/sin table is float32; torch casts the gathered rows to the activation dtype first
+    cos = tl.load(cos_sin_ptr + pos * ROT_DIM + i, mask=cmask, other=0.0).to(dt).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * ROT_DIM + ROT_DIM // 2 + i, mask=cmask, other=0.0).to(dt).to(tl.float32)
+    _rotate_heads(q_ptr, q_out_ptr, token * stride_q, token * num_q_heads * HEAD_SIZE, cos, sin, num_q_heads,
+                  HEAD_SIZE, ROT_DIM, HEADS_PAD, HALF_PAD, PASS_PAD, NEOX)
+    if HAS_KEY:
+        _rotate_heads(k_ptr, k_out_ptr, token * stride_k, token * num_k_heads * HEAD_SIZE, cos, sin, num_k_heads,
+                      HEAD_SIZE, ROT_DIM, HEADS_PAD, HALF_PAD, PASS_PAD, NEOX)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    rotary_dim: int,
+    is_neox_style: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rotary embedding of flat tokens; same contract as ``RotaryEmbedding.forward``.
+
+    Args:
+        positions: ``[T]`` int64
+        query: ``[T, Hq * head_size]`` (row stride free, last dim contiguous)
+        key: ``[T, Hk * head_size]`` or None
+        cos_sin_cache: ``[max_position, rotary_dim]`` float32, cos then sin
+    Returns:
+        new contiguous ``(query, key)`` of the same shapes
+    """
+    num_tokens = query.shape[0]
+    positions = positions.reshape(-1)
+    q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device) if key is not None else None
+    if num_tokens == 0:
+        return q_out, k_out
+    num_q = query.shape[1] // head_size
+    num_k = key.shape[1] // head_size if key is not None else 0
+    assert query.stride(-1) == 1 and (key is None or key.stride(-1) == 1)
+    cache = cos_sin_cache if cos_sin_cache.dtype == torch.float32 else cos_sin_cache.float()
+    _rotary_kernel[(num_tokens,)](
+        positions, cache.contiguous(), query, key if key is not None else query, q_out,
+        k_out if k_out is not None else q_out, query.stride(0), key.stride(0) if key is not None else 0,
+        num_q, num_k,
+        HEAD_SIZE=head_size, ROT_DIM=rotary_dim, HEADS_PAD=triton.next_power_of_2(max(num_q, num_k)),
+        HALF_PAD=triton.next_power_of_2(max(1, rotary_dim // 2)),
+        PASS_PAD=triton.next_power_of_2(head_size - rotary_dim) if head_size > rotary_dim else 0,
+        NEOX=is_neox_style, HAS_KEY=key is not None, num_warps=4,
+    )
+    return q_out, k_out
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(x_ptr + token * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + token * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)  # F.silu rounds to the dtype first
+    tl.store(out_ptr + token * inter + cols, (act * up).to(dt), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``x [T, 2I] -> silu(x[:, :I]) * x[:, I:]`` as ``[T, I]``."""
+    if x.dim() != 2:
+        return silu_and_mul(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], x.shape[-1] // 2)
+    num_tokens, width = x.shape
+    inter = width // 2
+    out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
+    if num_tokens:
+        assert x.stride(-1) == 1
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](x, out, x.stride(0), inter, BLOCK=block,
+                                                                      num_warps=4)
+    return out
+
+
+def register_cuda_layer_ops(device_type: str = "cuda") -> None:
+    """Make core's RMSNorm, RotaryEmbedding and SiluAndMul use these kernels on ``device_type``."""
+    from pagedlm.core.layers.custom_ops import register_op_impl
+
+    register_op_impl("rms_norm", device_type, rms_norm)
+    register_op_impl("fused_add_rms_norm", device_type, fused_add_rms_norm)
+    register_op_impl("rotary_embedding", device_type, rotary_embedding)
+    register_op_impl("silu_and_mul", device_type, silu_and_mul)

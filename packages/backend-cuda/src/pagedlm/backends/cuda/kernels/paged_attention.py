@@ -1,0 +1,337 @@
+"""Triton kernels: KV-cache write and one paged-attention kernel for a flat mixed batch.
+
+Cache layout (shared with ``cpu_paged``): ``kv_cache[0]`` keys and ``kv_cache[1]`` values, each
+``[num_blocks, block_size, num_kv_heads, head_size]`` and contiguous, so flat slot ``s`` of kv head
+``h`` starts at element ``(s * num_kv_heads + h) * head_size``. Token ``j`` of a request lives in
+slot ``block_table[req, j // block_size] * block_size + j % block_size``.
+
+The attention kernel's grid is ``(query tiles, kv heads, kv splits)``. A program takes up to
+``BLOCK_Q`` consecutive query tokens of one request together with all ``G = num_heads //
+num_kv_heads`` query heads that share its kv head, so each K/V tile it loads serves
+``BLOCK_Q * G`` rows (GQA costs no extra K/V traffic). Request ``r`` owns tiles starting at
+``query_start_loc[r] // BLOCK_Q + r``: that numbering needs no host-side tile table, leaves at most
+``num_reqs`` idle tiles, and a program finds its request by a binary search over
+``query_start_loc``. Decode-only launches set ``DECODE_ONLY`` and map tile ``r`` to request ``r``.
+
+Causality is by absolute position: query ``i`` of a request with ``q_len`` new tokens and
+``seq_len`` context sits at ``seq_len - q_len + i`` and sees keys ``<=`` that (and, with a sliding
+window ``w``, ``>`` that ``- w``). This one rule covers fresh prefills, prefix-cached prompts,
+chunked-prefill continuations and decodes alike.
+
+Split-KV (flash-decoding): with ``NUM_SPLITS > 1`` each program covers one contiguous slice of
+the key range and writes an unnormalised partial result plus its running max and sum;
+``_combine_splits_kernel`` merges them. Used when there are too few (request, kv head) pairs to
+fill the GPU, i.e. small decode batches over long contexts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["paged_attention", "write_kv_cache", "choose_num_splits"]
+
+# exp2 is cheaper than exp on GPUs; scores are scaled by log2(e) once so exp2 gives exp.
+_LOG2E = tl.constexpr(1.4426950408889634)
+# Triton 3.6's interpreter computes bf16 tl.dot wrongly (garbage, seen on CPU); under it the dots
+# take float32 copies of the same bf16 values instead. Never set on a GPU.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_PAD: tl.constexpr,
+):
+    """One program per token: copy its ``[Hkv, D]`` key and value into the cache slot."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot >= 0:  # negative slots are padding: nothing to store
+        h = tl.arange(0, HEADS_PAD)[:, None]
+        d = tl.arange(0, HEAD_PAD)[None, :]
+        mask = (h < NUM_KV_HEADS) & (d < HEAD_SIZE)
+        dst = slot * (NUM_KV_HEADS * HEAD_SIZE) + h * HEAD_SIZE + d
+        k = tl.load(key_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
+        tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+        v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
+        tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _tile_start(query_start_loc_ptr, req, BLOCK_Q: tl.constexpr):
+    return tl.load(query_start_loc_ptr + req) // BLOCK_Q + req
+
+
+# num_reqs and the window change from step to step: specialising on their values (== 1,
+# divisible by 16) would compile new variants in the middle of a run
+@triton.jit(do_not_specialize=["num_reqs", "sliding_window"])
+def _paged_attention_kernel(
+    out_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    num_reqs, num_heads, scale, soft_cap, sliding_window,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DECODE_ONLY: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # -- which request and which of its query tokens this program owns --------------------------
+    if DECODE_ONLY:
+        req = tile
+        q_tile_start = 0
+    else:
+        # largest r with tile_start(r) <= tile; tile_start is strictly increasing in r
+        lo = 0
+        hi = num_reqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if _tile_start(query_start_loc_ptr, mid, BLOCK_Q) <= tile:
+                lo = mid
+            else:
+                hi = mid - 1
+        req = lo
+        q_tile_start = (tile - _tile_start(query_start_loc_ptr, req, BLOCK_Q)) * BLOCK_Q
+    q_begin = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_begin
+    if q_tile_start < q_len:
+        seq_len = tl.load(seq_lens_ptr + req)
+        context_len = seq_len - q_len  # tokens cached before this step
+
+        # rows: (query token, head in the GQA group) pairs, query-major
+        rows = tl.arange(0, BLOCK_M)
+        q_local = rows // GROUP_PAD
+        g = rows % GROUP_PAD
+        q_idx = q_tile_start + q_local
+        row_valid = (q_local < BLOCK_Q) & (g < GROUP) & (q_idx < q_len)
+        head = kv_head * GROUP + g
+        q_pos = context_len + q_idx  # absolute position of each row's token
+        token = (q_begin + q_idx).to(tl.int64)
+
+        d = tl.arange(0, HEAD_PAD)
+        d_valid = d < HEAD_SIZE
+        q = tl.load(
+            query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+            mask=row_valid[:, None] & d_valid[None, :], other=0.0,
+        )
+        if UPCAST_DOTS:
+            q = q.to(tl.float32)
+
+        # -- key range: causal end of this tile, window start, then this split's slice ----------
+        last_q = tl.minimum(q_tile_start + BLOCK_Q, q_len) - 1
+        kv_end = context_len + last_q + 1
+        kv_begin = 0
+        if USE_WINDOW:
+            kv_begin = tl.maximum(context_len + q_tile_start - sliding_window + 1, 0)
+            kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
+        if NUM_SPLITS > 1:
+            span = kv_end - kv_begin
+            per_split = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            kv_lo = kv_begin + split * per_split
+            kv_hi = tl.minimum(kv_lo + per_split, kv_end)
+        else:
+            kv_lo = kv_begin
+            kv_hi = kv_end
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+        head_off = kv_head * HEAD_SIZE
+        for start in range(kv_lo, kv_hi, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            pos_valid = pos < kv_hi
+            block = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
+            slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
+            kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD_SIZE) + head_off + d[None, :]
+            kv_mask = pos_valid[:, None] & d_valid[None, :]
+            k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            if UPCAST_DOTS:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+            if USE_SOFT_CAP:
+                # cap * tanh(s * scale / cap), with tanh(x) = 1 - 2 / (exp(2x) + 1)
+                x = s * (scale / soft_cap)
+                s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * _LOG2E
+            else:
+                s = s * (scale * _LOG2E)
+            visible = row_valid[:, None] & pos_valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                visible = visible & (pos[None, :] > q_pos[:, None] - sliding_window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # a row that has seen no visible key yet keeps m = -inf; subtract 0 there instead
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            p_v = p.to(v.dtype)  # P@V in the cache dtype, like every flash-attention kernel
+            if UPCAST_DOTS:
+                p_v = p_v.to(tl.float32)
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        out_mask = row_valid[:, None] & d_valid[None, :]
+        if NUM_SPLITS == 1:
+            # a row with no visible key (only padding rows) gets zeros rather than 0/0
+            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            part = (token * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M]
+            tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], acc, mask=out_mask)
+            tl.store(part_max_ptr + part, m_i, mask=row_valid)
+            tl.store(part_sum_ptr + part, l_i, mask=row_valid)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num_heads, stride_ot, stride_oh,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """One program per (token, head): merge the splits' partial softmax results."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    base = (token * num_heads + head) * NUM_SPLITS
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, HEAD_PAD)
+    m = tl.load(part_max_ptr + base + s)
+    l = tl.load(part_sum_ptr + base + s)
+    m_all = tl.max(m, 0)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.exp2(m - m_safe)  # 0 for splits that saw no key
+    total = tl.sum(w * l, 0)
+    acc = tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_PAD + d[None, :])
+    o = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_SIZE)
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's K/V into the paged cache.
+
+    Args:
+        key, value: ``[T, Hkv, D]`` (last dim contiguous; token/head strides free)
+        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]`` contiguous
+        slot_mapping: ``[T]`` int64 flat slot per token; ``< 0`` skips the token
+    """
+    num_tokens, num_kv_heads, head_size = key.shape
+    if num_tokens == 0:
+        return
+    assert key.stride(-1) == 1 and value.stride(-1) == 1, "K/V must be contiguous in the head dimension"
+    assert key_cache.is_contiguous() and value_cache.is_contiguous()
+    _write_kv_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_PAD=max(16, triton.next_power_of_2(head_size)),
+        num_warps=1 if num_kv_heads * head_size <= 512 else 4,
+    )
+
+
+def choose_num_splits(num_tiles: int, num_kv_heads: int, max_seq_len: int, num_sms: int, block_n: int = 64) -> int:
+    """Splits of the key range so that up to about two programs per SM are in flight (the
+    largest power of two that fits, at most 16), and never a split shorter than two key tiles."""
+    programs = max(1, num_tiles * num_kv_heads)
+    if programs >= num_sms:
+        return 1
+    want = 2 * num_sms // programs
+    by_length = max(1, max_seq_len // (2 * block_n))
+    splits = 1
+    while splits * 2 <= min(want, by_length, 16):
+        splits *= 2
+    return splits
+
+
+def paged_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    *,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_reqs: int,
+    num_tokens: int,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    num_splits: int = 1,
+    config: dict[str, int] | None = None,
+) -> None:
+    """Attention of ``num_tokens`` flat query rows over the paged cache, written into ``out``.
+
+    Args:
+        out: ``[T', H, D]`` (``T' >= num_tokens``; rows past ``num_tokens`` are left as they are)
+        query: ``[T', H, D]``, last dim contiguous
+        key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]`` contiguous
+        block_table: ``[B', max_blocks]`` int32, rows for the first ``num_reqs`` requests
+        seq_lens: ``[B']`` int32 context length including this step's tokens
+        query_start_loc: ``[B' + 1]`` int32
+        max_query_len: longest query of the batch (1 selects the decode-only grid)
+        num_splits: key-range splits (power of two); 1 = no split-KV
+        config: optional overrides of ``BLOCK_M``/``BLOCK_N``/``num_warps``/``num_stages``
+    """
+    if num_tokens == 0 or num_reqs == 0:
+        return
+    num_heads, head_size = query.shape[1], query.shape[2]
+    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    head_pad = max(16, triton.next_power_of_2(head_size))
+    decode_only = max_query_len == 1
+    cfg = dict(config or {})
+    if decode_only:
+        block_q = 1
+        block_m = max(16, group_pad)
+        block_n = cfg.get("BLOCK_N", 64)
+        num_warps, num_stages = cfg.get("num_warps", 4), cfg.get("num_stages", 3)
+        num_tiles = num_reqs
+    else:
+        block_m = max(cfg.get("BLOCK_M", 64), group_pad, 16)
+        block_q = block_m // group_pad
+        block_n = cfg.get("BLOCK_N", 64)
+        num_warps, num_stages = cfg.get("num_warps", 4), cfg.get("num_stages", 2)
+        num_tiles = num_tokens // block_q + num_reqs
+    if num_splits > 1:
+        assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
+        n = out.shape[0] * num_heads * num_splits
+        part_acc = torch.empty(n, head_pad, dtype=torch.float32, device=out.device)
+        part_max = torch.empty(n, dtype=torch.float32, device=out.device)
+        part_sum = torch.empty(n, dtype=torch.float32, device=out.device)
+    else:
+        part_acc = part_max = part_sum = out  # unused
+    fp32 = query.dtype == torch.float32
+    _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
+        out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+        part_acc, part_max, part_sum,
+        num_reqs, num_heads, float(scale), float(soft_cap or 1.0), int(sliding_window or 0),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, DECODE_ONLY=decode_only,
+        USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=sliding_window is not None,
+        # fp32 models are the HF-parity configuration: no tf32 rounding in the dots there
+        DOT_PRECISION="ieee" if fp32 else "tf32",
+        UPCAST_DOTS=_INTERPRET and query.dtype == torch.bfloat16,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            out, part_acc, part_max, part_sum, num_heads, out.stride(0), out.stride(1),
+            HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SPLITS=num_splits, num_warps=1,
+        )

@@ -1,0 +1,237 @@
+"""``CudaModelRunner``: persistent device input buffers, CUDA-graph decode, a profiling run.
+
+Per step the host work is three pinned host-to-device copies (token data, request data, block
+table) into buffers that live as long as the runner; nothing else is allocated for the inputs.
+Decode-only steps (every request has one new token) of at most ``max_capture_size`` requests
+replay a CUDA graph captured at start-up for the next larger captured batch size: the padded
+requests have one token each, a slot of -1 (their K/V are not stored) and a context of one
+token, so their rows are computed and ignored. Everything else (prefill chunks, mixed batches,
+larger batches) runs eagerly through the same buffers. ``enforce_eager=True`` turns graphs off.
+
+Buffer packing (why: one copy each, and fixed addresses per padded size for graph replay):
+token data ``input_ids | positions | slot_mapping`` int64, each segment ``n`` long and starting
+at a multiple of ``_tok_stride(n)``; request data ``query_start_loc (b + 1) | seq_lens (b)``
+int32 likewise; and the block table ``[max_num_seqs, max_blocks_per_req]`` int32 whose row
+stride never changes. Segments start on 64-byte boundaries because Triton specialises kernels on
+16-byte pointer alignment: unaligned views would compile a second variant of every kernel in
+the middle of a run.
+"""
+
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from pagedlm.core.attention.backend import CommonAttentionMetadata
+from pagedlm.core.config import VllmConfig
+from pagedlm.core.forward_context import set_forward_context
+from pagedlm.core.logger import init_logger
+from pagedlm.core.sample import build_sampling_metadata
+from pagedlm.core.sampling_params import SamplingParams
+from pagedlm.core.worker.input_batch import StepInputs
+from pagedlm.core.worker.model_runner import ModelRunner
+
+logger = init_logger(__name__)
+
+__all__ = ["CudaModelRunner", "default_capture_sizes"]
+
+
+def _tok_stride(n: int) -> int:
+    return -(-n // 8) * 8  # int64 elements: 64 bytes
+
+
+def _req_stride(b: int) -> int:
+    return -(-(b + 1) // 16) * 16  # int32 elements: 64 bytes
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to 256 (padding wastes < 8 rows), then every
+    multiple of 32 up to 512, capped at ``max_num_seqs`` (which is always included)."""
+    sizes = {1, 2, 4} | set(range(8, 257, 8)) | set(range(288, 513, 32))
+    return sorted({s for s in sizes if s <= max_num_seqs} | {min(max_num_seqs, 512)})
+
+
+class CudaModelRunner(ModelRunner):
+    #: run the graph bookkeeping on a non-CUDA device with a stand-in "graph" that re-runs the
+    #: forward (for CPU tests of padding and buffers under TRITON_INTERPRET=1)
+    emulate_graphs: bool = False
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
+        super().__init__(vllm_config, device)
+        sc = vllm_config.scheduler_config
+        self.max_num_reqs = sc.max_num_seqs
+        self.max_num_tokens = max(int(sc.max_num_batched_tokens or 8192), self.max_num_reqs)
+        self.max_blocks = self.input_batch.max_blocks_per_req
+        on_cuda = device.type == "cuda"
+        tok_len = 3 * _tok_stride(self.max_num_tokens)
+        req_len = 2 * _req_stride(self.max_num_reqs)
+        self._token_buf = torch.zeros(tok_len, dtype=torch.int64, device=device)
+        self._req_buf = torch.zeros(req_len, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(self.max_num_reqs, self.max_blocks, dtype=torch.int32, device=device)
+        self._token_host = torch.zeros(tok_len, dtype=torch.int64, pin_memory=on_cuda)
+        self._req_host = torch.zeros(req_len, dtype=torch.int32, pin_memory=on_cuda)
+        self._bt_host = torch.zeros(self.max_num_reqs * self.max_blocks, dtype=torch.int32, pin_memory=on_cuda)
+        self._token_np = self._token_host.numpy()
+        self._req_np = self._req_host.numpy()
+        self._bt_np = self._bt_host.numpy()
+
+        self.use_graphs = (on_cuda and not vllm_config.enforce_eager) or self.emulate_graphs
+        self.capture_sizes = default_capture_sizes(self.max_num_reqs)
+        self.max_capture_size = self.capture_sizes[-1] if self.capture_sizes else 0
+        #: padded batch size -> (replay, hidden-states output of the captured forward)
+        self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        self._pad_to = np.zeros(self.max_capture_size + 1, dtype=np.int64)
+        for size in reversed(self.capture_sizes):
+            self._pad_to[: size + 1] = size
+        self.capture_time_s = 0.0
+        if on_cuda:
+            from pagedlm.backends.cuda.kernels.layer_ops import register_cuda_layer_ops
+
+            register_cuda_layer_ops("cuda")
+
+    def load_model(self) -> None:
+        super().load_model()
+        kv_heads = {layer.num_kv_heads for layer in self.attention_layers.values()}
+        if hasattr(self.metadata_builder, "num_kv_heads") and kv_heads:
+            self.metadata_builder.num_kv_heads = min(kv_heads)
+
+    # -- inputs -----------------------------------------------------------------------------
+    def _stage(self, step: StepInputs | None, num_tokens: int, num_reqs: int) -> CommonAttentionMetadata:
+        """Write one step's inputs (``num_tokens``/``num_reqs`` after padding) into the buffers.
+
+        ``step=None`` stages an all-padding decode batch (graph capture)."""
+        t = self._token_np
+        r = self._req_np
+        ts, rs = _tok_stride(num_tokens), _req_stride(num_reqs)
+        real_t = real_b = 0
+        r[0] = 0
+        if step is not None:
+            real_t, real_b = len(step.input_ids), len(step.req_ids)
+            t[:real_t] = step.input_ids
+            t[ts : ts + real_t] = step.positions
+            t[2 * ts : 2 * ts + real_t] = step.slot_mapping
+            r[: real_b + 1] = step.query_start_loc
+            r[rs : rs + real_b] = step.seq_lens
+        if num_tokens > real_t:  # padded requests: one token each, nothing stored, context 1
+            t[real_t:num_tokens] = 0
+            t[ts + real_t : ts + num_tokens] = 0
+            t[2 * ts + real_t : 2 * ts + num_tokens] = -1
+            r[real_b + 1 : num_reqs + 1] = np.arange(real_t + 1, real_t + 1 + num_reqs - real_b)
+            r[rs + real_b : rs + num_reqs] = 1
+        self._token_buf[: 3 * ts].copy_(self._token_host[: 3 * ts], non_blocking=True)
+        self._req_buf[: 2 * rs].copy_(self._req_host[: 2 * rs], non_blocking=True)
+        max_seq_len = self.max_model_len
+        max_query_len = 1
+        if step is not None and real_b:
+            nb = step.block_table.shape[1]
+            staged = self._bt_np[: real_b * nb].reshape(real_b, nb)
+            staged[:] = step.block_table
+            self.block_table[:real_b, :nb].copy_(self._bt_host[: real_b * nb].view(real_b, nb), non_blocking=True)
+            max_seq_len = int(step.seq_lens.max())
+            max_query_len = int(step.num_scheduled.max())
+        return CommonAttentionMetadata(
+            query_start_loc=self._req_buf[: num_reqs + 1],
+            query_start_loc_cpu=self._req_host[: num_reqs + 1],
+            seq_lens=self._req_buf[rs : rs + num_reqs],
+            seq_lens_cpu=self._req_host[rs : rs + num_reqs],
+            num_computed_tokens_cpu=torch.from_numpy(step.num_computed) if step is not None else torch.zeros(0),
+            block_table=self.block_table[:num_reqs],
+            slot_mapping=self._token_buf[2 * ts : 2 * ts + num_tokens],
+            num_reqs=num_reqs,
+            num_actual_tokens=num_tokens,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+        )
+
+    def _ids_positions(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ts = _tok_stride(num_tokens)
+        return self._token_buf[:num_tokens], self._token_buf[ts : ts + num_tokens]
+
+    # -- the forward pass (core hook) -------------------------------------------------------
+    def run_model(self, step: StepInputs) -> torch.Tensor:
+        """``[T, hidden]``: a graph replay for small decode-only steps, else an eager forward."""
+        assert self.model is not None
+        num_tokens, num_reqs = len(step.input_ids), len(step.req_ids)
+        if self._graphs and num_tokens == num_reqs and num_reqs <= self.max_capture_size:
+            padded = int(self._pad_to[num_reqs])
+            self._stage(step, padded, padded)
+            replay, hidden = self._graphs[padded]
+            replay()
+            return hidden[:num_tokens]
+        common = self._stage(step, num_tokens, num_reqs)
+        metadata = self.metadata_builder.build(common)
+        input_ids, positions = self._ids_positions(num_tokens)
+        with set_forward_context(metadata):
+            return self.model(input_ids, positions)
+
+    # -- start-up ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """The largest forward (``max_num_batched_tokens`` tokens) plus logits and sampling of
+        ``max_num_seqs`` rows with top-k/top-p on, so ``torch.cuda.max_memory_allocated`` holds
+        the activation peak the KV-cache sizing must leave room for. No cache exists yet:
+        attention runs with no metadata and returns zeros (its own buffers are the size of q)."""
+        assert self.model is not None
+        if self.device.type != "cuda":
+            return
+        n = self.max_num_tokens
+        input_ids, positions = self._ids_positions(n)
+        self._token_buf.zero_()
+        start = time.perf_counter()
+        with set_forward_context(None):
+            hidden = self.model(input_ids, positions)
+        rows = min(self.max_num_reqs, n)
+        logits = self.model.compute_logits(hidden[:rows])
+        params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9) for _ in range(rows)]
+        md = build_sampling_metadata(params, prompt_token_ids=[[0]] * rows, output_token_ids=[[] for _ in range(rows)],
+                                     vocab_size=logits.shape[-1], device=self.device)
+        self.sampler(logits, md)
+        torch.cuda.synchronize(self.device)
+        del hidden, logits
+        logger.info("profiling run: %d tokens, peak %.2f GiB allocated (%.2fs)", n,
+                    torch.cuda.max_memory_allocated(self.device) / 2**30, time.perf_counter() - start)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        super().initialize_kv_cache(num_blocks)
+        if self.use_graphs:
+            self.capture_model()
+
+    @torch.inference_mode()
+    def capture_model(self) -> None:
+        """Capture one decode graph per size in ``capture_sizes``, largest first (later, smaller
+        graphs then reuse the first one's memory pool)."""
+        assert self.model is not None
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        for size in reversed(self.capture_sizes):
+            common = self._stage(None, size, size)
+            metadata = self.metadata_builder.build(common)
+            input_ids, positions = self._ids_positions(size)
+
+            def forward(metadata=metadata, input_ids=input_ids, positions=positions) -> torch.Tensor:
+                with set_forward_context(metadata):
+                    return self.model(input_ids, positions)  # type: ignore[misc]
+
+            self._graphs[size] = self._capture(forward, pool)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.capture_time_s = time.perf_counter() - start
+        logger.info("captured %d CUDA graphs for decode batch sizes %d..%d in %.2fs", len(self._graphs),
+                    self.capture_sizes[0], self.capture_sizes[-1], self.capture_time_s)
+
+    def _capture(self, forward: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], None], torch.Tensor]:
+        if self.device.type != "cuda":
+            # stand-in for tests: "replay" re-runs the forward into the same output tensor
+            out = forward()
+            return (lambda: out.copy_(forward())), out
+        # warm-up outside the graph: Triton compiles and autotunes, cuBLAS picks its kernels
+        forward()
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward()
+        return graph.replay, out

@@ -1,0 +1,172 @@
+"""``triton``: paged attention through Triton kernels (DESIGN.md §6), the CUDA default.
+
+Same KV-cache layout as ``cpu_paged`` (``[2, num_blocks, block_size, num_kv_heads, head_size]``),
+so the reference backend can check these kernels on identical caches. One step is two launches
+per layer (three with split-KV): the KV write through ``slot_mapping``, then one attention
+kernel over the whole flat batch (prefill chunks, prefix-cached prompts and decodes together);
+see :mod:`pagedlm.backends.cuda.kernels.paged_attention`.
+
+Also usable on the CPU under ``TRITON_INTERPRET=1`` (Triton's interpreter), which is how the
+kernels are tested without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedlm.backends.cuda.kernels.paged_attention import choose_num_splits, paged_attention, write_kv_cache
+from pagedlm.core.attention import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+
+__all__ = [
+    "TritonAttentionBackend",
+    "TritonAttentionImpl",
+    "TritonAttentionMetadata",
+    "TritonAttentionMetadataBuilder",
+]
+
+
+@dataclass
+class TritonAttentionMetadata:
+    """One step's batch. ``B`` = ``num_reqs`` (padded in graph replays), ``T`` = ``num_tokens``.
+
+    Padding (CUDA-graph replays): padded requests have one query token, a slot of ``-1`` (nothing
+    written) and ``seq_len`` 1; their rows are computed and ignored.
+    """
+
+    num_reqs: int
+    #: rows the kernels process (``>=`` the real tokens when padded)
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_table: torch.Tensor  # [B, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64
+    #: key-range splits of the split-KV path (1 = off); decided on the host
+    num_splits: int = 1
+
+
+class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMetadata]):
+    """Passes the common tensors through and picks the split-KV factor from host-side sizes."""
+
+    def __init__(self, *, block_size: int, device: torch.device) -> None:
+        super().__init__(block_size=block_size, device=device)
+        if device.type == "cuda":
+            self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            # interpreter runs: a small "GPU" so the split-KV path is exercised too
+            self.num_sms = 4
+        #: number of kv heads of the model, set by the runner (splits depend on it); 8 if unknown
+        self.num_kv_heads = 8
+
+    def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        num_splits = 1
+        if common.max_query_len == 1:
+            num_splits = choose_num_splits(common.num_reqs, self.num_kv_heads, common.max_seq_len, self.num_sms)
+        return TritonAttentionMetadata(
+            num_reqs=common.num_reqs,
+            num_tokens=common.num_actual_tokens,
+            max_query_len=common.max_query_len,
+            max_seq_len=common.max_seq_len,
+            query_start_loc=common.query_start_loc,
+            seq_lens=common.seq_lens,
+            block_table=common.block_table,
+            slot_mapping=common.slot_mapping,
+            num_splits=num_splits,
+        )
+
+
+class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
+    """KV write + unified paged attention; GQA, causal, sliding window, logits soft cap."""
+
+    #: launch-parameter overrides (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``), for tuning
+    kernel_config: dict[str, int] | None = None
+
+    def __init__(
+        self,
+        *,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        super().__init__(num_heads=num_heads, head_size=head_size, scale=scale, num_kv_heads=num_kv_heads,
+                         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window={sliding_window} must be >= 1 (or None for full attention)")
+        if logits_soft_cap is not None and logits_soft_cap <= 0:
+            raise ValueError(f"logits_soft_cap={logits_soft_cap} must be > 0 (or None for no capping)")
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata | None,
+    ) -> torch.Tensor:
+        """Write K/V, then attend.
+
+        Args:
+            query: ``[T', num_heads, head_size]``, ``T' >= metadata.num_tokens`` (extra rows: zeros out)
+            key, value: ``[T', num_kv_heads, head_size]``
+            kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` contiguous
+            metadata: this step's metadata; ``None`` in a profiling run (no cache yet: zeros out)
+        Returns:
+            ``[T', num_heads, head_size]`` in ``query``'s dtype
+        """
+        if metadata is None:
+            return torch.zeros_like(query)
+        num_tokens = metadata.num_tokens
+        out = torch.empty_like(query)
+        if num_tokens < query.shape[0]:
+            out[num_tokens:].zero_()
+        if num_tokens == 0:
+            return out
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        write_kv_cache(key[:num_tokens], value[:num_tokens], key_cache, value_cache,
+                       metadata.slot_mapping[:num_tokens])
+        paged_attention(
+            out, query, key_cache, value_cache,
+            block_table=metadata.block_table, seq_lens=metadata.seq_lens,
+            query_start_loc=metadata.query_start_loc, num_reqs=metadata.num_reqs, num_tokens=num_tokens,
+            max_query_len=metadata.max_query_len, scale=self.scale, sliding_window=self.sliding_window,
+            soft_cap=self.logits_soft_cap, num_splits=metadata.num_splits, config=self.kernel_config,
+        )
+        return out
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Triton paged attention; head sizes up to 256; float32, bfloat16, float16."""
+
+    name = "triton"
+    supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    supported_head_sizes = tuple(range(8, 257, 8))
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """``(2, num_blocks, block_size, num_kv_heads, head_size)``: keys at 0, values at 1."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_builder_cls() -> type[TritonAttentionMetadataBuilder]:
+        return TritonAttentionMetadataBuilder
+
+    @staticmethod
+    def get_impl_cls() -> type[TritonAttentionImpl]:
+        return TritonAttentionImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[TritonAttentionMetadata]:
+        return TritonAttentionMetadata

@@ -1,0 +1,240 @@
+"""What every ``pagedlm bench`` subcommand shares: engine options, model configs, stats, output.
+
+Nothing here imports torch or the engine at module level, so ``pagedlm --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from importlib import resources
+from typing import Any
+
+#: ``--model-config`` names -> JSON files shipped in ``pagedlm/core/bench/model_configs``
+MODEL_CONFIGS = ("qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b")
+
+PERCENTILES = (50, 90, 99)
+
+
+# -- options ------------------------------------------------------------------------------------
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """Every ``LLM`` option (``--device``, ``--dtype``, ...) plus ``--model-config`` and ``--output-json``."""
+    from pagedlm.core.engine.arg_utils import EngineArgs
+
+    parser.add_argument("--model-config", choices=MODEL_CONFIGS, default=None,
+                        help="use the published hyperparameters of this model with random weights "
+                             "(implies --load-format dummy; no weight files are needed)")
+    add_output_option(parser)
+    EngineArgs.add_cli_args(parser)
+
+
+def add_output_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output-json", default=None, metavar="FILE", help="write the full result as JSON here")
+
+
+def model_config_dir(name: str, out_dir: str) -> str:
+    """Write the shipped ``config.json`` of ``name`` into ``out_dir``; returns ``out_dir``."""
+    if name not in MODEL_CONFIGS:
+        raise ValueError(f"--model-config {name!r} is not one of {', '.join(MODEL_CONFIGS)}")
+    os.makedirs(out_dir, exist_ok=True)
+    source = resources.files("pagedlm.core.bench").joinpath("model_configs").joinpath(f"{name}.json")
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        f.write(source.read_text(encoding="utf-8"))
+    return out_dir
+
+
+class EngineSetup:
+    """Turns parsed options into ``LLM(**kwargs)`` and cleans up the temporary config dir."""
+
+    def __init__(self, args: argparse.Namespace, *, need_len: int | None = None) -> None:
+        from pagedlm.core.engine.arg_utils import EngineArgs
+
+        self.model_config_name: str | None = getattr(args, "model_config", None)
+        self._tmp: str | None = None
+        engine_args = EngineArgs.from_cli_args(args)
+        kwargs = {k: v for k, v in vars(engine_args).items() if k != "additional_config"}
+        if self.model_config_name:
+            if engine_args.model:
+                raise ValueError("pass either --model DIR or --model-config NAME, not both")
+            self._tmp = tempfile.mkdtemp(prefix=f"pagedlm-bench-{self.model_config_name}-")
+            kwargs["model"] = model_config_dir(self.model_config_name, self._tmp)
+            # Published configs come without weights or tokenizer: random weights, token-id prompts.
+            kwargs["load_format"] = "dummy"
+            kwargs["skip_tokenizer_init"] = True
+        elif not engine_args.model:
+            raise ValueError("pass --model DIR (a local HF model directory) or --model-config "
+                             f"{{{','.join(MODEL_CONFIGS)}}} with --load-format dummy")
+        if kwargs.get("max_model_len") is None and need_len is not None:
+            # NOTE: the default would be the model's full context (40k-128k tokens for the shipped
+            # configs); one such request may not even fit the CPU's KV cache. The workload's longest
+            # request is what the benchmark needs.
+            block = int(kwargs.get("block_size") or 16)
+            kwargs["max_model_len"] = -(-need_len // block) * block
+        self.kwargs = kwargs
+
+    @property
+    def model_label(self) -> str:
+        return self.model_config_name or os.path.basename(os.path.normpath(str(self.kwargs["model"])))
+
+    def build(self, **overrides: Any):
+        from pagedlm.core import LLM
+
+        return LLM(**{**self.kwargs, **overrides})
+
+    def _hf_config(self) -> dict[str, Any]:
+        with open(os.path.join(str(self.kwargs["model"]), "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+        return cfg.get("text_config") or cfg
+
+    def vocab_size(self) -> int:
+        return int(self._hf_config().get("vocab_size") or 32000)
+
+    def model_max_len(self) -> int:
+        return int(self._hf_config().get("max_position_embeddings") or 2048)
+
+    def cleanup(self) -> None:
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+
+def engine_summary(llm: Any, setup: EngineSetup) -> dict[str, Any]:
+    """The resolved engine configuration a result was measured with."""
+    cfg = llm.vllm_config
+    mc, cc, sc = cfg.model_config, cfg.cache_config, cfg.scheduler_config
+    return {
+        "model": setup.model_label,
+        "model_path": str(setup.kwargs["model"]) if not setup.model_config_name else None,
+        "load_format": cfg.load_config.load_format,
+        "device": cfg.device_config.device,
+        "dtype": str(mc.dtype).removeprefix("torch."),
+        "max_model_len": cfg.max_model_len,
+        "block_size": cc.block_size,
+        "num_blocks": cc.num_gpu_blocks,
+        "enable_prefix_caching": cc.enable_prefix_caching,
+        "max_num_seqs": sc.max_num_seqs,
+        "max_num_batched_tokens": sc.max_num_batched_tokens,
+        "enable_chunked_prefill": sc.enable_chunked_prefill,
+        "tensor_parallel_size": cfg.parallel_config.tensor_parallel_size,
+        "attention_backend": cfg.attention_backend,
+        "enforce_eager": cfg.enforce_eager,
+    }
+
+
+def warm_up(llm: Any, vocab_size: int) -> None:
+    """One small untimed batch: first-call costs (allocations, JIT, graph capture) stay out of timings.
+
+    The ids are fixed and few, so the prefix cache keeps at most a couple of blocks from it.
+    """
+    from pagedlm.core import SamplingParams
+
+    max_len = llm.vllm_config.max_model_len
+    prompt_len = max(1, min(24, max_len // 2))
+    prompts = [{"prompt_token_ids": [(7 * i + j) % vocab_size for j in range(prompt_len)]} for i in range(2)]
+    params = SamplingParams(max_tokens=max(1, min(4, max_len - prompt_len)), ignore_eos=True, temperature=0.0)
+    llm.generate(prompts, params, use_tqdm=False)
+
+
+# -- statistics ---------------------------------------------------------------------------------
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), without needing numpy."""
+    if not values:
+        return float("nan")
+    data = sorted(values)
+    pos = (len(data) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def distribution(values: Iterable[float], scale: float = 1.0) -> dict[str, float | int]:
+    """mean / p50 / p90 / p99 / min / max of ``values`` times ``scale`` (e.g. 1000 for ms)."""
+    data = [v * scale for v in values]
+    if not data:
+        return {"count": 0}
+    out: dict[str, float | int] = {"count": len(data), "mean": sum(data) / len(data)}
+    for q in PERCENTILES:
+        out[f"p{q}"] = percentile(data, q)
+    out["min"], out["max"] = min(data), max(data)
+    return out
+
+
+# -- output -------------------------------------------------------------------------------------
+def environment() -> dict[str, Any]:
+    """Where a result was measured: enough to put it in a table next to the command."""
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        # sys.argv is this command's only when pagedlm was started from a shell (not in-process).
+        "command": shlex.join(["pagedlm", *sys.argv[1:]]) if "bench" in sys.argv[1:2] else None,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "processor": _cpu_model(),
+        # Other work on the machine skews CPU timings; the load says how much there was.
+        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["gpu_count"] = torch.cuda.device_count()
+    except ImportError:  # the serve load generator needs no torch
+        pass
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def finish(result: dict[str, Any], path: str | None) -> None:
+    """Attach the environment and write ``result`` to ``path`` (if given)."""
+    result.setdefault("environment", environment())
+    if path:
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2, sort_keys=False, default=_json_default)
+            f.write("\n")
+        print(f"wrote {path}")
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return str(value)
+
+
+def print_table(title: str, rows: Sequence[tuple[str, Any]]) -> None:
+    """A two-column summary, numbers formatted to a readable precision."""
+    print(f"\n== {title} ==")
+    width = max((len(k) for k, _ in rows), default=0)
+    for key, value in rows:
+        if isinstance(value, float):
+            value = f"{value:,.2f}" if abs(value) >= 1 or value == 0 else f"{value:.4f}"
+        elif isinstance(value, int) and not isinstance(value, bool):
+            value = f"{value:,}"
+        print(f"  {key.ljust(width)}  {value}")

@@ -1,0 +1,135 @@
+"""``pagedlm bench latency``: one batch of a fixed size, prefill and per-token decode latency.
+
+Each iteration submits ``--batch-size`` fresh random prompts of ``--input-len`` tokens (new ids every
+iteration, so the prefix cache never helps) and steps the engine until all have ``--output-len``
+tokens. Every engine step is timed; the stats hook says which steps computed prompt tokens.
+
+* prefill latency: from submission to the end of the last step that computed prompt tokens, i.e.
+  when the whole batch has its first token (one step unless the prompts exceed the token budget);
+* decode latency: the duration of each later step, every request gaining one token per step, so
+  it is the per-output-token latency (TPOT) at this batch size;
+* end-to-end latency: the whole batch, submission to last token.
+
+Percentiles are over iterations (prefill, mean decode, end-to-end) and over all decode steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from typing import Any
+
+from pagedlm.core.bench import common
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("latency", help="prefill and per-token decode latency of one batch",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-size", type=int, default=8, help="requests in the batch")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=32, help="output tokens per request")
+    p.add_argument("--num-iters", type=int, default=10, help="measured iterations")
+    p.add_argument("--num-iters-warmup", type=int, default=2, help="untimed iterations first")
+    p.add_argument("--workload-seed", type=int, default=0, help="seed of the random prompt ids")
+    common.add_engine_options(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("batch_size", "input_len", "output_len", "num_iters"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+    if args.num_iters_warmup < 0:
+        raise ValueError(f"--num-iters-warmup must be >= 0 (got {args.num_iters_warmup})")
+    setup = common.EngineSetup(args, need_len=args.input_len + args.output_len)
+    try:
+        result = measure(args, setup)
+    finally:
+        setup.cleanup()
+    _print(result)
+    common.finish(result, args.output_json)
+    return 0
+
+
+def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, Any]:
+    from pagedlm.core import SamplingParams
+
+    vocab = setup.vocab_size()
+    t_init = time.perf_counter()
+    llm = setup.build()
+    init_s = time.perf_counter() - t_init
+    engine_info = common.engine_summary(llm, setup)
+    engine = llm.llm_engine
+    last: list[Any] = [None]
+    engine.core.add_stats_listener(lambda s: last.__setitem__(0, s))
+    rng = random.Random(args.workload_seed)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
+    iterations: list[dict[str, Any]] = []
+    all_decode_steps: list[float] = []
+    for it in range(args.num_iters_warmup + args.num_iters):
+        for i in range(args.batch_size):
+            ids = [rng.randrange(vocab) for _ in range(args.input_len)]
+            engine.add_request(f"latency-{it}-{i}", {"prompt_token_ids": ids}, params)
+        prefill_s = 0.0
+        decode_steps: list[float] = []
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            t = time.perf_counter()
+            engine.step()
+            dt = time.perf_counter() - t
+            stats = last[0]
+            if stats is not None and stats.num_prefill_tokens > 0:
+                prefill_s = time.perf_counter() - start
+                decode_steps.clear()  # a chunked prefill's earlier steps may carry decodes: not pure decode
+            else:
+                decode_steps.append(dt)
+        total = time.perf_counter() - start
+        if it < args.num_iters_warmup:
+            continue
+        iterations.append({
+            "e2e_s": total,
+            "prefill_s": prefill_s,
+            "decode_steps": len(decode_steps),
+            "decode_mean_s": sum(decode_steps) / len(decode_steps) if decode_steps else float("nan"),
+        })
+        all_decode_steps += decode_steps
+    llm.shutdown()
+    decode_means = [x["decode_mean_s"] for x in iterations if x["decode_steps"]]
+    tokens_per_iter = args.batch_size * args.output_len
+    e2e = [x["e2e_s"] for x in iterations]
+    return {
+        "benchmark": "latency",
+        "engine": engine_info,
+        "batch_size": args.batch_size,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "num_iters": args.num_iters,
+        "num_iters_warmup": args.num_iters_warmup,
+        "init_s": init_s,
+        "e2e_latency_ms": common.distribution(e2e, 1000.0),
+        "prefill_latency_ms": common.distribution([x["prefill_s"] for x in iterations], 1000.0),
+        "decode_latency_ms": common.distribution(decode_means, 1000.0),
+        "decode_step_latency_ms": common.distribution(all_decode_steps, 1000.0),
+        "output_tokens_per_s": tokens_per_iter * len(e2e) / sum(e2e),
+        "iterations": iterations,
+    }
+
+
+def _print(r: dict[str, Any]) -> None:
+    e = r["engine"]
+
+    def pct(d: dict[str, Any]) -> str:
+        if not d.get("count"):
+            return "n/a"
+        return f"mean {d['mean']:.2f}  p50 {d['p50']:.2f}  p90 {d['p90']:.2f}  p99 {d['p99']:.2f}"
+
+    common.print_table("pagedlm bench latency", [
+        ("model", f"{e['model']} ({e['device']}, {e['dtype']}, load_format={e['load_format']})"),
+        ("batch", f"{r['batch_size']} x ({r['input_len']} in + {r['output_len']} out), {r['num_iters']} iterations"),
+        ("prefill latency (ms)", pct(r["prefill_latency_ms"])),
+        ("decode / token (ms)", pct(r["decode_latency_ms"])),
+        ("decode steps (ms)", pct(r["decode_step_latency_ms"])),
+        ("end-to-end (ms)", pct(r["e2e_latency_ms"])),
+        ("output tokens/s", r["output_tokens_per_s"]),
+    ])

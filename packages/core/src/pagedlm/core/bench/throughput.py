@@ -1,0 +1,173 @@
+"""``pagedlm bench throughput``: offline batch throughput through ``LLM.generate``.
+
+All requests are submitted at once (like nano-vllm's bench.py and vLLM's ``benchmark_throughput``)
+and the clock runs from the ``generate`` call to its return, after an untimed warm-up batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from typing import Any
+
+from pagedlm.core.bench import common
+from pagedlm.core.bench.timeline import StepRecorder, write_timelines
+from pagedlm.core.bench.workloads import add_workload_options, workload_from_args
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("throughput", help="offline throughput (requests/s, tokens/s) through LLM.generate",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_options(p)
+    p.add_argument("--compare", choices=["hf"], default=None,
+                   help="also run the workload through HF transformers' continuous batching and print the ratio")
+    p.add_argument("--hf-attn-implementation", default="paged|sdpa",
+                   help="attn_implementation for --compare hf (e.g. paged|sdpa, paged|flash_attention_2, sdpa)")
+    p.add_argument("--kv-timeline", default=None, metavar="FILE.png",
+                   help="plot KV-cache blocks, requests and tokens per engine step (samples go to FILE.json)")
+    common.add_engine_options(p)
+    p.set_defaults(func=run)
+
+
+def _need_len(args: argparse.Namespace) -> int | None:
+    if args.workload == "nano":
+        return 2048  # nano's longest possible request (1024 + 1024); its bench.py uses 4096
+    if args.workload == "fixed":
+        return args.input_len + args.output_len
+    return None  # sharegpt-like adapts its lengths to max_model_len
+
+
+def run(args: argparse.Namespace) -> int:
+    setup = common.EngineSetup(args, need_len=_need_len(args))
+    try:
+        result = measure(args, setup)
+    finally:
+        setup.cleanup()
+    _print(result)
+    common.finish(result, args.output_json)
+    return 0
+
+
+def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, Any]:
+    vocab = setup.vocab_size()
+    if args.workload == "sharegpt-like" and setup.kwargs.get("max_model_len") is None:
+        # The workload's clip range fits 2 x 1024 tokens; its lengths adapt to a shorter context.
+        setup.kwargs["max_model_len"] = min(2048, setup.model_max_len())
+    workload = workload_from_args(args, vocab_size=vocab, max_model_len=setup.kwargs.get("max_model_len"))
+    t_init = time.perf_counter()
+    llm = setup.build()
+    init_s = time.perf_counter() - t_init
+    engine = common.engine_summary(llm, setup)
+    common.warm_up(llm, vocab)
+    recorder = StepRecorder(llm)
+    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    params = workload.sampling_params()
+    recorder.restart_clock()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    recorder.finish(llm)
+    num_in = sum(len(o.prompt_token_ids) for o in outputs)
+    num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    steps = recorder.summary()
+    result: dict[str, Any] = {
+        "benchmark": "throughput",
+        "engine": engine,
+        "workload": workload.summary(),
+        "init_s": init_s,
+        "elapsed_s": elapsed,
+        "num_requests": len(outputs),
+        "total_input_tokens": num_in,
+        "total_output_tokens": num_out,
+        "requests_per_s": len(outputs) / elapsed,
+        "input_tokens_per_s": num_in / elapsed,
+        "output_tokens_per_s": num_out / elapsed,
+        "total_tokens_per_s": (num_in + num_out) / elapsed,
+        "num_steps": steps.get("num_steps", 0),
+        "peak_kv_cache_usage": steps.get("peak_kv_cache_usage", 0.0),
+        "peak_used_blocks": steps.get("peak_used_blocks", 0),
+        "num_preemptions": steps.get("num_preemptions", 0),
+        "prefix_cached_tokens": sum(o.num_cached_tokens for o in outputs),
+        "steps": steps,
+    }
+    if args.kv_timeline:
+        title = (f"pagedlm bench throughput: {engine['model']} ({engine['device']}, {engine['dtype']}), "
+                 f"workload {workload.name} x{workload.num_requests}\n{engine['num_blocks']:,} blocks x "
+                 f"{engine['block_size']} tokens, max_num_seqs={engine['max_num_seqs']}, "
+                 f"max_num_batched_tokens={engine['max_num_batched_tokens']}, "
+                 f"prefix caching {'on' if engine['enable_prefix_caching'] else 'off'}")
+        png, js = write_timelines(args.kv_timeline, [("pagedlm", recorder.samples)], title, engine)
+        result["kv_timeline"] = {"png": png, "json": js}
+    if args.compare == "hf":
+        kv_tokens = int(engine["num_blocks"] or 0) * int(engine["block_size"])
+        dtype = llm.vllm_config.model_config.dtype
+        device = engine["device"]
+        model_dir = str(setup.kwargs["model"])
+        dummy = setup.kwargs.get("load_format") == "dummy"
+        llm.shutdown()
+        del llm, outputs
+        left = _release_device_memory()
+        result["hf"] = _compare(args, workload, model_dir=model_dir, dummy=dummy, dtype=dtype, device=device,
+                                kv_tokens=kv_tokens, engine=engine)
+        if left is not None:
+            result["hf"]["device_memory_held_before_hf_gib"] = left
+        if "output_tokens_per_s" in result["hf"]:
+            result["speedup_vs_hf"] = result["output_tokens_per_s"] / result["hf"]["output_tokens_per_s"]
+    return result
+
+
+def _release_device_memory() -> float | None:
+    """Free pagedlm's weights and KV cache before HF loads; returns GiB still allocated (CUDA only).
+
+    HF sizes its cache from the free device memory, so memory pagedlm still held would shrink it.
+    """
+    gc.collect()
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated() / 2**30
+
+
+def _compare(args: argparse.Namespace, workload: Any, *, model_dir: str, dummy: bool, dtype: Any, device: str,
+             kv_tokens: int, engine: dict[str, Any]) -> dict[str, Any]:
+    from pagedlm.core.bench.hf_compare import run_hf
+
+    try:
+        return run_hf(workload, model_dir=model_dir, dummy=dummy, dtype=dtype, device=device,
+                      attn_implementation=args.hf_attn_implementation, seed=args.seed, kv_tokens=kv_tokens,
+                      max_batch_tokens=engine["max_num_batched_tokens"], max_requests=engine["max_num_seqs"])
+    except Exception as e:  # noqa: BLE001 - HF's failure is a result to report, not a reason to lose ours
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _print(r: dict[str, Any]) -> None:
+    e, w = r["engine"], r["workload"]
+    rows = [
+        ("model", f"{e['model']} ({e['device']}, {e['dtype']}, load_format={e['load_format']})"),
+        ("workload", f"{w['name']}: {w['num_requests']} requests, {w['total_input_tokens']:,} in / "
+                     f"{w['total_output_tokens']:,} out tokens"),
+        ("KV cache", f"{e['num_blocks']:,} blocks x {e['block_size']} tokens"),
+        ("elapsed (s)", r["elapsed_s"]),
+        ("requests/s", r["requests_per_s"]),
+        ("input tokens/s", r["input_tokens_per_s"]),
+        ("output tokens/s", r["output_tokens_per_s"]),
+        ("total tokens/s", r["total_tokens_per_s"]),
+        ("engine steps", r["num_steps"]),
+        ("peak KV usage", f"{r['peak_kv_cache_usage']:.1%} ({r['peak_used_blocks']:,} blocks)"),
+        ("preemptions", r["num_preemptions"]),
+    ]
+    hf = r.get("hf")
+    if hf is not None:
+        if "error" in hf:
+            rows.append(("HF transformers", f"failed: {hf['error']}"))
+        else:
+            rows += [("HF elapsed (s)", hf["elapsed_s"]), ("HF output tokens/s", hf["output_tokens_per_s"]),
+                     ("pagedlm / HF", f"{r['speedup_vs_hf']:.2f}x output tokens/s ({hf['api']}, "
+                                      f"{hf['attn_implementation']})")]
+    if "kv_timeline" in r:
+        rows.append(("KV timeline", f"{r['kv_timeline']['png']} (+ {r['kv_timeline']['json']})"))
+    common.print_table("pagedlm bench throughput", rows)

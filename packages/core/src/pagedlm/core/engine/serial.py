@@ -1,0 +1,129 @@
+"""Wire format between the front end (AsyncLLM) and the engine-core process.
+
+Every ZMQ message is one frame: a msgpack array ``[kind, payload]`` (msgspec's encoder). Objects
+travel as plain arrays in a fixed field order rather than pickles, so a message is cheap to
+build, cannot run code when decoded, and its layout is spelled out here:
+
+  front end -> core (``InputKind``)
+    HELLO     None                                   handshake: proves the input pipe is connected
+    ADD       [request_id, prompt_token_ids, arrival_time, sampling_params fields...]
+    ABORT     [request_id, ...]                      engine (child) request ids
+    SHUTDOWN  None                                   finish the loop, release the device, exit 0
+  core -> front end (``OutputKind``)
+    READY     {"num_gpu_blocks": int, "max_model_len": int, "pid": int}
+    OUTPUTS   [timestamp, [output fields...], stats fields or None]
+    FAILED    "message"                              startup or a step raised; the process exits
+
+Requests are validated by the front end's Processor before they are sent, so decoding does not
+validate again (``SamplingParams.__post_init__`` would also reset the eos ids the Processor added).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from pagedlm.core.metrics.stats import EngineStatsSnapshot
+from pagedlm.core.request import EngineCoreRequest
+from pagedlm.core.sampling_params import RequestOutputKind, SamplingParams
+from pagedlm.core.sched import EngineCoreOutput
+
+
+class InputKind(enum.IntEnum):
+    HELLO = 0
+    ADD = 1
+    ABORT = 2
+    SHUTDOWN = 3
+
+
+class OutputKind(enum.IntEnum):
+    READY = 0
+    OUTPUTS = 1
+    FAILED = 2
+
+
+@dataclass
+class EngineCoreOutputs:
+    """One batch from the core: the outputs of one step plus a fresh snapshot of its state.
+
+    ``outputs`` may be empty (a prefill chunk that sampled nothing, or a state change such as an
+    abort while idle); ``stats`` is None only for clients that do not collect it.
+    """
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    stats: EngineStatsSnapshot | None = None
+    timestamp: float = field(default_factory=time.time)
+
+
+_PARAM_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
+_STATS_FIELDS = [f.name for f in dataclasses.fields(EngineStatsSnapshot)]
+_OUTPUT_FIELDS = list(EngineCoreOutput.__slots__)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder()
+
+
+def encode(kind: int, payload: Any = None) -> bytes:
+    return _encoder.encode((int(kind), payload))
+
+
+def decode(frame: bytes) -> tuple[int, Any]:
+    kind, payload = _decoder.decode(frame)
+    return kind, payload
+
+
+# -- requests ----------------------------------------------------------------------------------
+def _params_to_wire(params: SamplingParams) -> list[Any]:
+    values = []
+    for name in _PARAM_FIELDS:
+        value = getattr(params, name)
+        if isinstance(value, set):
+            value = sorted(value)
+        elif isinstance(value, enum.Enum):
+            value = int(value.value)
+        values.append(value)
+    return values
+
+
+def _params_from_wire(values: list[Any]) -> SamplingParams:
+    params = object.__new__(SamplingParams)  # skips __post_init__: see the module docstring
+    fields = dict(zip(_PARAM_FIELDS, values))
+    fields["all_stop_token_ids"] = set(fields["all_stop_token_ids"] or ())
+    fields["output_kind"] = RequestOutputKind(fields["output_kind"])
+    if fields["logit_bias"] is not None:
+        fields["logit_bias"] = {int(k): float(v) for k, v in fields["logit_bias"].items()}
+    params.__dict__.update(fields)
+    return params
+
+
+def encode_add(request: EngineCoreRequest) -> bytes:
+    payload = [request.request_id, list(request.prompt_token_ids), request.arrival_time,
+               _params_to_wire(request.sampling_params)]
+    return encode(InputKind.ADD, payload)
+
+
+def request_from_wire(payload: list[Any]) -> EngineCoreRequest:
+    request_id, prompt_token_ids, arrival_time, params = payload
+    return EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                             sampling_params=_params_from_wire(params), arrival_time=arrival_time)
+
+
+# -- outputs -----------------------------------------------------------------------------------
+def encode_outputs(batch: EngineCoreOutputs) -> bytes:
+    outputs = [[getattr(o, name) for name in _OUTPUT_FIELDS] for o in batch.outputs]
+    stats = None if batch.stats is None else [getattr(batch.stats, n) for n in _STATS_FIELDS]
+    return encode(OutputKind.OUTPUTS, [batch.timestamp, outputs, stats])
+
+
+def outputs_from_wire(payload: list[Any]) -> EngineCoreOutputs:
+    timestamp, outputs, stats = payload
+    return EngineCoreOutputs(
+        outputs=[EngineCoreOutput(**dict(zip(_OUTPUT_FIELDS, values))) for values in outputs],
+        stats=None if stats is None else EngineStatsSnapshot(**dict(zip(_STATS_FIELDS, stats))),
+        timestamp=timestamp,
+    )

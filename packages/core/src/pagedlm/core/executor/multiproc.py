@@ -1,0 +1,335 @@
+"""``MultiprocExecutor``: one worker process per rank on this host.
+
+- Workers come from a fork server (see ``mp_context``: never a plain fork of the engine, whose
+  CUDA context or OpenMP pool would be unusable in the child) and join one
+  torch.distributed group (gloo on the CPU, NCCL on GPUs) over a TCP rendezvous on 127.0.0.1.
+- Every call reaches every worker through one :class:`ShmBroadcast` (pickled once, copied once);
+  each worker answers on its own pipe, and for ``execute_model`` only the output rank (TP rank 0
+  of the last stage) answers, unless a rank fails.
+- Supervision: every wait also watches the worker processes' sentinels, and a monitor thread
+  does the same while the engine is idle. The first rank that dies or raises fails the engine
+  with a ``RuntimeError`` naming it, and the other workers are stopped at once (they would
+  otherwise hang in a collective waiting for the dead peer).
+- Clean-up: :meth:`shutdown`, garbage collection of the executor, and interpreter exit all stop
+  the workers (ask, then SIGTERM, then SIGKILL). Workers also exit on their own when this process
+  dies (they watch its sentinel), so no orphan outlives the engine.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing
+import multiprocessing.connection as mp_connection
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from concurrent.futures import Future
+from typing import Any
+
+from pagedlm.core.config import VllmConfig
+from pagedlm.core.distributed import output_rank
+from pagedlm.core.distributed.shm_broadcast import ShmBroadcast, ShmReader
+from pagedlm.core.distributed.utils import describe_exit, format_exception, get_open_port, mp_context
+from pagedlm.core.executor.abstract import Executor
+from pagedlm.core.logger import init_logger
+from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+
+logger = init_logger(__name__)
+
+_SHUTDOWN = "__shutdown__"
+
+
+# -- the worker process --------------------------------------------------------------------------
+
+
+def _exit_with_parent() -> None:
+    """Exit this worker as soon as the process that spawned it is gone (no orphans, even when
+    the engine is SIGKILLed)."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        mp_connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pagedlm-parent-watch", daemon=True).start()
+
+
+def _worker_main(vllm_config: VllmConfig, rank: int, local_rank: int, init_method: str,
+                 reader: ShmReader, conn: Any) -> None:
+    _exit_with_parent()
+    from pagedlm.core.worker.worker import Worker
+
+    worker = None
+    try:
+        worker = Worker(vllm_config, local_rank=local_rank, rank=rank, distributed_init_method=init_method)
+        worker.init_device()
+        worker.load_model()
+        conn.send(("ok", os.getpid()))
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the executor
+        # Report and keep waiting: the executor reads the error first and then stops us, so the
+        # error, not a bare exit code, is what the user sees.
+        conn.send(("error", format_exception(e)))
+        worker = None
+    while True:
+        _, message = reader.dequeue(timeout=None)
+        method, args, kwargs, reply_ranks = message
+        if method == _SHUTDOWN:
+            break
+        if worker is None:
+            continue
+        try:
+            result = getattr(worker, method)(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the executor
+            conn.send(("error", format_exception(e)))
+            continue
+        if reply_ranks is None or rank in reply_ranks:
+            conn.send(("ok", result))
+    if worker is not None:
+        worker.shutdown()
+
+
+# -- supervision state, shared with the monitor thread and the finalizer (never the executor) -----
+
+
+class _Workers:
+    def __init__(self) -> None:
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        self.broadcast: ShmBroadcast | None = None
+        self.failure: str | None = None
+        self.stopping = False
+        self.lock = threading.Lock()
+        self.wake_r, self.wake_w = multiprocessing.Pipe(duplex=False)
+
+    def record_failure(self, message: str) -> str:
+        with self.lock:
+            if self.failure is None:
+                self.failure = message
+                logger.error("%s", message)
+            return self.failure
+
+    def death_message(self, rank: int) -> str:
+        proc = self.procs[rank]
+        proc.join(1.0)  # its sentinel fires before it is reaped; the exit status names the cause
+        return (f"pagedlm worker rank {rank} (pid {proc.pid}) died unexpectedly "
+                f"({describe_exit(proc.exitcode)}); the engine cannot continue")
+
+    def stop(self, graceful: bool = True) -> None:
+        """Stop every worker; idempotent, safe from any thread, at GC and at exit."""
+        with self.lock:
+            if self.stopping and not any(p.is_alive() for p in self.procs):
+                return
+            self.stopping = True
+        with contextlib.suppress(OSError):
+            self.wake_w.send(None)
+        alive = [p for p in self.procs if p.is_alive()]
+        if graceful and alive and self.broadcast is not None and len(alive) == len(self.procs):
+            # A worker that died meanwhile makes enqueue raise: then the signals below do it.
+            with contextlib.suppress(RuntimeError):
+                self.broadcast.enqueue((_SHUTDOWN, (), {}, ()), check=self._raise_if_dead)
+                _join_all(alive, 5.0)
+        for sig in ("terminate", "kill"):
+            alive = [p for p in self.procs if p.is_alive()]
+            if not alive:
+                break
+            for p in alive:
+                getattr(p, sig)()
+            _join_all(alive, 3.0)
+
+    def _raise_if_dead(self) -> None:
+        if any(not p.is_alive() for p in self.procs):
+            raise RuntimeError("a worker is dead")
+
+
+def _join_all(procs: list[Any], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+
+
+def _monitor(workers: _Workers) -> None:
+    sentinels = {p.sentinel: rank for rank, p in enumerate(workers.procs)}
+    ready = mp_connection.wait([*sentinels, workers.wake_r])
+    if workers.stopping:
+        return
+    for obj in ready:
+        if obj in sentinels:
+            workers.record_failure(workers.death_message(sentinels[obj]))
+            workers.stop(graceful=False)
+            return
+
+
+def _start_even_if_daemonic(proc: Any) -> None:
+    """Start ``proc`` also from a daemonic process (e.g. an engine-core process of the server).
+
+    multiprocessing refuses children of daemonic processes because they would be orphaned when
+    their parent is terminated; our workers exit on their own when their parent goes (see
+    :func:`_exit_with_parent`), so the rule's reason does not apply to them.
+    """
+    me = multiprocessing.current_process()
+    daemonic = me.daemon
+    if daemonic:
+        me.daemon = False
+    try:
+        proc.start()
+    finally:
+        if daemonic:
+            me.daemon = True
+
+
+# -- the executor ---------------------------------------------------------------------------------
+
+
+class _PendingOutput(Future):
+    """The output of a step submitted with ``non_block=True``; ``result()`` drives the pipe."""
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        super().__init__()
+        self._executor = executor
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        while not self.done():
+            self._executor._receive_next_output()
+        return super().result(timeout)
+
+
+class MultiprocExecutor(Executor):
+    def _init_executor(self) -> None:
+        pc = self.vllm_config.parallel_config
+        self.world_size = pc.world_size
+        self.tp_size = pc.tensor_parallel_size
+        self.pp_size = pc.pipeline_parallel_size
+        self.output_rank = output_rank(self.tp_size, self.pp_size)
+        self._pending: deque[_PendingOutput] = deque()
+        #: tokens sampled since the last broadcast, for the non-last pipeline stages
+        self._sampled: dict[str, list[int]] = {}
+        ctx = mp_context()
+        workers = self._workers = _Workers()
+        workers.broadcast = ShmBroadcast(ctx, self.world_size)
+        init_method = f"tcp://127.0.0.1:{get_open_port()}"
+        # NOTE: replica d of data parallelism uses devices [d * world, (d + 1) * world).
+        first_device = pc.data_parallel_rank * self.world_size
+        start = time.perf_counter()
+        for rank in range(self.world_size):
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_worker_main, name=f"pagedlm-worker-rank{rank}", daemon=True,
+                args=(self.vllm_config, rank, first_device + rank, init_method, workers.broadcast.reader(rank), send),
+            )
+            _start_even_if_daemonic(proc)
+            send.close()
+            workers.procs.append(proc)
+            workers.conns.append(recv)
+        # GC of the executor, or interpreter exit, stops the workers; atexit runs before
+        # multiprocessing's own exit hook, which would otherwise wait for them forever.
+        self._finalizer = weakref.finalize(self, workers.stop)
+        atexit.register(self._finalizer)
+        threading.Thread(target=_monitor, args=(workers,), name="pagedlm-worker-monitor", daemon=True).start()
+        try:
+            pids = self._wait_replies(set(range(self.world_size)))
+        except BaseException:
+            self.shutdown()
+            raise
+        self.worker_pids = [pids[r] for r in range(self.world_size)]
+        logger.info("started %d worker processes (tp=%d, pp=%d) in %.1fs", self.world_size, self.tp_size,
+                    self.pp_size, time.perf_counter() - start)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.pp_size
+
+    # -- talking to the workers ------------------------------------------------------------------
+    def _fail(self, message: str) -> None:
+        message = self._workers.record_failure(message)
+        self._workers.stop(graceful=False)
+        raise RuntimeError(message)
+
+    def check_health(self) -> None:
+        workers = self._workers
+        if workers.failure is not None:
+            raise RuntimeError(workers.failure)
+        if workers.stopping:
+            raise RuntimeError("the executor is shut down")
+        for rank, proc in enumerate(workers.procs):
+            if not proc.is_alive():
+                self._fail(workers.death_message(rank))
+
+    def _send(self, method: str, args: tuple = (), kwargs: dict | None = None,
+              reply_ranks: tuple[int, ...] | None = None) -> None:
+        self.check_health()
+        assert self._workers.broadcast is not None
+        self._workers.broadcast.enqueue((method, args, kwargs or {}, reply_ranks), check=self.check_health)
+
+    def _wait_replies(self, ranks: set[int]) -> dict[int, Any]:
+        """One reply from each of ``ranks``; any error or death of any rank fails the engine."""
+        workers = self._workers
+        results: dict[int, Any] = {}
+        conn_rank = {id(c): r for r, c in enumerate(workers.conns)}
+        sentinel_rank = {p.sentinel: r for r, p in enumerate(workers.procs)}
+        while len(results) < len(ranks):
+            if workers.failure is not None:
+                raise RuntimeError(workers.failure)
+            waiting = [c for r, c in enumerate(workers.conns) if r not in results]
+            ready = mp_connection.wait([*waiting, *sentinel_rank], timeout=1.0)
+            # Messages first: a rank that reported an error is named by its error.
+            for obj in ready:
+                rank = conn_rank.get(id(obj))
+                if rank is None:
+                    continue
+                try:
+                    status, value = obj.recv()
+                except (EOFError, OSError):
+                    self._fail(workers.death_message(rank))
+                if status == "error":
+                    summary = str(value).strip().splitlines()[-1]
+                    self._fail(f"pagedlm worker rank {rank} raised an error; the engine cannot continue: "
+                               f"{summary}\n{value}")
+                if rank in ranks:
+                    results[rank] = value
+            for obj in ready:
+                if obj in sentinel_rank:
+                    self._fail(workers.death_message(sentinel_rank[obj]))
+        return results
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call ``Worker.method(*args)`` on every rank; their results in rank order."""
+        assert not self._pending, "no RPC while steps are in flight"
+        self._send(method, args)
+        results = self._wait_replies(set(range(self.world_size)))
+        return [results[r] for r in range(self.world_size)]
+
+    # -- the Executor interface ------------------------------------------------------------------
+    def determine_num_available_blocks(self) -> int:
+        return min(self.collective_rpc("determine_num_available_blocks"))
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return max(self.collective_rpc("kv_cache_bytes_per_block"))
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_cache", num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        sampled, self._sampled = self._sampled, {}
+        self._send("execute_model", (scheduler_output, sampled or None), reply_ranks=(self.output_rank,))
+        future = _PendingOutput(self)
+        self._pending.append(future)
+        return future if non_block else future.result()
+
+    def _receive_next_output(self) -> None:
+        output: ModelRunnerOutput = self._wait_replies({self.output_rank})[self.output_rank]
+        if self.pp_size > 1:
+            for req_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
+                if token_ids:
+                    self._sampled.setdefault(req_id, []).extend(token_ids)
+        self._pending.popleft().set_result(output)
+
+    def shutdown(self) -> None:
+        if hasattr(self, "_finalizer"):
+            atexit.unregister(self._finalizer)
+            self._finalizer()

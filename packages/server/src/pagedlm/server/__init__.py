@@ -1,0 +1,1 @@
+"""pagedlm-server: an OpenAI-compatible HTTP server for the pagedlm engine (``pagedlm serve``)."""

@@ -1,0 +1,62 @@
+"""``pagedlm serve MODEL``: the command line of the server (added through a plugin hook).
+
+Only argparse here: the heavy imports (FastAPI, uvicorn, torch through the engine) happen in
+``launcher`` once the command actually runs, so ``pagedlm --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from pagedlm.core.engine.arg_utils import EngineArgs
+
+#: environment variable holding the API key when --api-key is not given
+API_KEY_ENV = "PAGEDLM_API_KEY"
+
+
+def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL (a local HF model directory) over OpenAI's completions and chat API. "
+                    "Every engine option of LLM(...) is accepted.",
+    )
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="local HF model directory (same as --model)")
+    server = p.add_argument_group("server options")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    server.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000; 0 picks a free one)")
+    server.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize and /metrics "
+                             f"(default: ${API_KEY_ENV}, else no key)")
+    server.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="Jinja chat template file (or inline template) replacing the tokenizer's")
+    server.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="on SIGTERM, how long in-flight requests may run before they are aborted")
+    server.add_argument("--log-stats-interval", type=float, default=5.0, metavar="SECONDS",
+                        help="log a throughput/KV-usage line this often while busy (0: never)")
+    server.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    server.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                        help="log every HTTP request (uvicorn's access log)")
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=run_serve)
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    # NOTE: read here rather than in pagedlm.core.envs: the key is a server setting, and core
+    # must not know about the server (DESIGN.md §2).
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"MODEL={args.model_tag!r} and --model={args.model!r} disagree: give one of them")
+    args.model = args.model_tag or args.model
+    if not args.model:
+        raise ValueError("pagedlm serve needs MODEL: a local HF model directory")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port={args.port} is invalid: must be in 0..65535 (0: any free port)")
+    from pagedlm.server.launcher import serve
+
+    return serve(args, api_key=resolve_api_key(args))

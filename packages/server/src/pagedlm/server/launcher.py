@@ -1,0 +1,111 @@
+"""Start the engine and uvicorn in one event loop; drain on SIGTERM; exit 0.
+
+Order of start-up: bind the port (so a port in use fails before minutes of model loading), start
+the engine core process (blocks until it is ready), then serve. On SIGTERM or SIGINT uvicorn
+stops accepting connections, lets in-flight requests finish for ``--shutdown-timeout`` seconds,
+cancels the rest (which aborts them in the engine), and we shut the engine core down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+
+import uvicorn
+
+from pagedlm.core.engine.arg_utils import EngineArgs
+from pagedlm.core.engine.async_llm import AsyncLLM
+from pagedlm.core.logger import init_logger
+from pagedlm.server.app import build_app
+from pagedlm.server.metrics import PrometheusStatLogger
+from pagedlm.server.serving_common import ServerState
+
+logger = init_logger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, minus re-raising the signal after a graceful shutdown.
+
+    uvicorn re-sends SIGTERM to itself once it has drained, so the process would die by the
+    signal (status 143). A drained server has done its job: we exit 0 instead.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's contents, or the value itself if it is an inline template."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template={value!r} is neither a readable file nor a Jinja template")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(args: argparse.Namespace, *, api_key: str | None) -> int:
+    chat_template = load_chat_template(args.chat_template)
+    engine_args = EngineArgs.from_cli_args(args)
+    sock = _bind(args.host, args.port)
+    try:
+        return asyncio.run(_serve(args, engine_args, sock, api_key, chat_template))
+    finally:
+        sock.close()
+
+
+async def _serve(args: argparse.Namespace, engine_args: EngineArgs, sock: socket.socket, api_key: str | None,
+                 chat_template: str | None) -> int:
+    vllm_config = engine_args.create_vllm_config()
+    name = vllm_config.model_config.name
+    metrics = PrometheusStatLogger(name)
+    # Blocking start-up is fine here: nothing else runs on this loop yet.
+    engine = AsyncLLM(vllm_config, stat_loggers=[metrics], log_interval_s=args.log_stats_interval,
+                      log_stats=args.log_stats_interval > 0)
+    try:
+        metrics.cache_blocks.labels(model_name=name).set(vllm_config.cache_config.num_gpu_blocks or 0)
+        state = ServerState(engine=engine, served_model_names=[name], api_key=api_key, chat_template=chat_template,
+                            metrics=metrics)
+        app = build_app(state)
+        config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=args.access_log,
+                                timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off")
+        server = _Server(config)
+        host, port = sock.getsockname()[:2]
+        logger.info("serving %s as %r on http://%s:%d (%s)", vllm_config.model_config.model, name, host, port,
+                    "API key required" if api_key else "no API key")
+        await server.serve(sockets=[sock])
+    finally:
+        engine.shutdown()
+    logger.info("server stopped")
+    return 0

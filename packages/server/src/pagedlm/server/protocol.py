@@ -1,0 +1,146 @@
+"""Request bodies of the OpenAI-compatible API (pydantic models; FastAPI publishes their schemas).
+
+Validation is strict, as OpenAI's own API is: ``"0.5"`` is not a number, ``2.5`` is not an
+integer (``2.0`` is, as in JSON Schema), ``1`` is not a boolean, NaN and infinities are refused.
+Every field OpenAI marks nullable accepts ``null`` (= the default). Unknown fields are ignored,
+so clients that send newer OpenAI parameters keep working; parameters whose meaning we cannot
+honour (``suffix``, ``tools``, a JSON ``response_format``, ...) are refused with a 400 by the
+serving code instead.
+
+Range checks that need the model (context length, vocabulary) happen in the engine's Processor.
+Responses are built as plain dicts in ``serving_*`` modules, field by field as OpenAI sends them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Largest seed accepted: choice i of a request with n > 1 samples with seed + i (n <= 128).
+MAX_SEED = INT64_MAX - 128
+MAX_N = 128
+MAX_LOGPROBS = 20
+
+
+# Integer fields (or lists of integers): JSON Schema, and so the schema we publish, counts 2.0
+# as an integer, so 2.0 is accepted there as 2 (2.5 and "2" are still refused).
+_INT_FIELDS = frozenset({"n", "seed", "top_k", "min_tokens", "max_tokens", "logprobs", "best_of",
+                         "max_completion_tokens", "top_logprobs", "stop_token_ids", "prompt", "tokens"})
+
+
+def _integral(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    return value
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _integral_floats(cls, value: Any, info: Any) -> Any:
+        return _integral(value) if info.field_name in _INT_FIELDS else value
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool | None = None
+
+
+class SamplingFields(OpenAIModel):
+    """Sampling parameters shared by completions and chat (OpenAI's, then vLLM's extensions)."""
+
+    model: str | None = Field(None, description="served model name; default: the only model served")
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=MAX_SEED)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100] added to its logit"
+    )
+    user: str | None = None
+    # vLLM extensions
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables top-k")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="a string, a list of strings, a list of token ids or a list of lists of token ids"
+    )
+    max_tokens: int | None = Field(None, ge=1, description="default 16")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = None
+    suffix: str | None = Field(None, description="not supported: must be null")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="must equal n when given")
+    add_special_tokens: bool | None = None
+
+
+class ChatContentPart(OpenAIModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ChatContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI: use max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool | None = None
+    # Accepted so that they can be refused with a clear message (see serving_chat).
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class TokenizeRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+def _field_names(*models: type[BaseModel]) -> frozenset[str]:
+    names: set[str] = set()
+    for model in models:
+        names.update(model.model_fields)
+    return frozenset(names)
+
+
+#: every field name of every request model (tells field names from pydantic's union-member tags)
+FIELD_NAMES = _field_names(StreamOptions, CompletionRequest, ChatContentPart, ChatMessage,
+                           ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+
+#: what a field that is a union of types accepts, for error messages
+UNION_FIELDS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of content parts ({\"type\": \"text\", \"text\": ...})",
+}

@@ -1,0 +1,206 @@
+"""POST /v1/chat/completions: messages -> chat template -> one engine request with n choices."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from pagedlm.core.engine.async_llm import EngineDeadError
+from pagedlm.core.outputs import RequestOutput, SampleLogprobs
+from pagedlm.server.errors import APIError, error_response, logger
+from pagedlm.server.protocol import ChatCompletionRequest, ChatMessage
+from pagedlm.server.serving_common import (
+    SSE_DONE,
+    ServerState,
+    SSEResponse,
+    bad_request,
+    check_engine,
+    check_model,
+    engine_dead,
+    finish_reason,
+    finite,
+    make_sampling_params,
+    random_id,
+    sse,
+    sse_error,
+    token_text,
+    top_entries,
+    until_disconnect,
+    usage,
+)
+
+
+def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
+                param: str = "messages") -> tuple[str, list[int]]:
+    """Apply the chat template (``--chat-template`` or the tokenizer's); returns (text, token ids)."""
+    tokenizer = state.engine.tokenizer
+    if tokenizer is None:
+        raise APIError("chat needs a tokenizer, and this server runs without one (skip_tokenizer_init)")
+    template = state.chat_template
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise APIError("this model has no chat template: start the server with --chat-template FILE, "
+                       "or use /v1/completions", param=param)
+    conversation = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise APIError(f"{param}[{i}].content[{j}].type={part.type!r} is not supported: this server "
+                                   "takes text parts only ({\"type\": \"text\", \"text\": ...})",
+                                   param=f"{param}[{i}].content[{j}].type")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+        if message.name is not None:
+            entry["name"] = message.name
+        conversation.append(entry)
+    try:
+        text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 - jinja's errors (TemplateError, UndefinedError, ...) are bad input
+        raise APIError(f"cannot apply the chat template to these messages: {type(e).__name__}: {e}",
+                       param=param) from None
+    # The template writes the special tokens (BOS, role markers) itself.
+    token_ids = tokenizer(text, add_special_tokens=False).input_ids
+    return text, list(token_ids)
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Any:
+    check_model(state, req.model)
+    check_engine(state)
+    if req.tools:
+        raise APIError("tools are not supported by this server", param="tools")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise APIError(f"response_format type {req.response_format.get('type')!r} is not supported: only "
+                       "\"text\"", param="response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+    stream = bool(req.stream)
+    if req.stream_options is not None and not stream:
+        raise APIError("stream_options is only allowed with stream=true", param="stream_options")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = make_sampling_params(req, max_tokens=max_tokens, logprobs=num_logprobs, prompt_logprobs=None,
+                                  stream=stream)
+    add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
+    text, token_ids = render_chat(state, req.messages, add_generation_prompt=add_generation_prompt)
+    try:
+        state.engine.processor.validate(token_ids, params)
+    except ValueError as e:
+        error = bad_request(e, prompt_param="messages")
+        if max_tokens is not None and "max_tokens" in error.message:
+            error.param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        raise error from None
+    request_id = random_id("chatcmpl")
+    gen = state.engine.generate({"prompt": text, "prompt_token_ids": token_ids}, params, request_id)
+    builder = _ChatBuilder(state, request_id, int(time.time()), num_logprobs)
+    if stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return SSEResponse(builder.stream(gen, params.n, include_usage))
+
+    async def collect() -> RequestOutput | None:
+        final = None
+        async for out in gen:
+            final = out
+        return final
+
+    try:
+        final = await until_disconnect(raw, collect())
+    except EngineDeadError as e:
+        return error_response(engine_dead(e))
+    if final is None:  # the client went away
+        return JSONResponse({}, status_code=499)
+    return JSONResponse(builder.response(final))
+
+
+class _ChatBuilder:
+    def __init__(self, state: ServerState, request_id: str, created: int, num_logprobs: int | None) -> None:
+        self.engine = state.engine
+        self.tokenizer = state.engine.tokenizer
+        self.model = state.model_name
+        self.id = request_id
+        self.created = created
+        self.num_logprobs = num_logprobs
+
+    def _logprobs(self, token_ids: list[int], logprobs: SampleLogprobs | None) -> dict[str, Any] | None:
+        if self.num_logprobs is None:
+            return None
+        content = []
+        for tid, position in zip(token_ids, logprobs or []):
+            entry = position.get(tid)
+            text = token_text(self.tokenizer, tid, entry)
+            top = [{"token": (t := token_text(self.tokenizer, alt, lp)), "logprob": finite(lp.logprob),
+                    "bytes": list(t.encode("utf-8"))} for alt, lp in top_entries(position, self.num_logprobs)]
+            content.append({"token": text, "logprob": finite(entry.logprob) if entry is not None else -9999.0,
+                            "bytes": list(text.encode("utf-8")), "top_logprobs": top})
+        return {"content": content, "refusal": None}
+
+    def response(self, out: RequestOutput) -> dict[str, Any]:
+        if out.error:
+            raise APIError(f"generation failed: {out.error}", status=500)
+        choices = [{
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text, "refusal": None},
+            "logprobs": self._logprobs(c.token_ids, c.logprobs),
+            "finish_reason": finish_reason(c.finish_reason),
+        } for c in out.outputs]
+        num_generated = sum(len(c.token_ids) for c in out.outputs)
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage(len(out.prompt_token_ids), num_generated, out.num_cached_tokens)}
+
+    def _chunk(self, choices: list[dict[str, Any]], include_usage: bool) -> dict[str, Any]:
+        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": choices}
+        if include_usage:
+            body["usage"] = None  # as OpenAI: null on every chunk but the last
+        return body
+
+    async def stream(self, gen: AsyncGenerator[RequestOutput, None], n: int, include_usage: bool):
+        """SSE events; an error after the 200 status line is sent in-band, then ``[DONE]``."""
+        try:
+            async for event in self._events(gen, n, include_usage):
+                yield event
+        except (APIError, EngineDeadError) as e:
+            yield sse_error(e)
+        except Exception as e:  # noqa: BLE001 - the status line is sent: report in-band, then end
+            logger.exception("chat stream %s failed", self.id)
+            yield sse_error(e)
+        finally:
+            self.engine.abort(self.id)  # however the stream ends (client gone included)
+        yield SSE_DONE
+
+    async def _events(self, gen: AsyncGenerator[RequestOutput, None], n: int, include_usage: bool):
+        # The role comes first, in a delta of its own, for every choice.
+        yield sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None} for i in range(n)], include_usage))
+        finished: set[int] = set()
+        num_prompt = num_generated = 0
+        async for out in gen:
+            if out.error:
+                raise APIError(f"generation failed: {out.error}", status=500)
+            num_prompt = len(out.prompt_token_ids)
+            choices = []
+            for c in out.outputs:
+                if c.index in finished:
+                    continue
+                num_generated += len(c.token_ids)
+                reason = finish_reason(c.finish_reason)
+                if reason is not None:
+                    finished.add(c.index)
+                elif not c.text and (self.num_logprobs is None or not c.token_ids):
+                    continue  # nothing to say yet (e.g. half of a multi-byte character)
+                delta = {"content": c.text} if c.text or reason is None else {}
+                choices.append({"index": c.index, "delta": delta, "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                                "finish_reason": reason})
+            if choices:
+                yield sse(self._chunk(choices, include_usage))
+        if include_usage:
+            body = self._chunk([], False)
+            body["usage"] = usage(num_prompt, num_generated)
+            yield sse(body)

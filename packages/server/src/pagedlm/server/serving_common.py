@@ -1,0 +1,263 @@
+"""What completions and chat share: server state, parameter mapping, SSE, disconnects, logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pagedlm.core.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedlm.core.outputs import Logprob
+from pagedlm.core.sampling_params import RequestOutputKind, SamplingParams
+from pagedlm.server.errors import APIError, error_body, param_of_message
+from pagedlm.server.protocol import SamplingFields
+
+T = TypeVar("T")
+
+# What OpenAI reports for a logprob too small to represent (JSON has no -Infinity).
+MIN_LOGPROB = -9999.0
+
+
+@dataclass
+class ServerState:
+    """Everything the route handlers need, kept on ``app.state.server``."""
+
+    engine: AsyncLLM
+    served_model_names: list[str]
+    api_key: str | None = None
+    chat_template: str | None = None  # overrides the tokenizer's template when set
+    created: int = field(default_factory=lambda: int(time.time()))
+    metrics: Any = None  # pagedlm.server.metrics.PrometheusStatLogger
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model not in state.served_model_names:
+        raise APIError(f"The model `{model}` does not exist. This server serves: {', '.join(state.served_model_names)}",
+                       status=404, param="model", code="model_not_found")
+
+
+def check_engine(state: ServerState) -> None:
+    dead = state.engine.dead_error
+    if dead is not None:
+        raise engine_dead(dead)
+
+
+def engine_dead(error: BaseException) -> APIError:
+    return APIError(f"the engine is not available: {error}", status=503)
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# -- parameters --------------------------------------------------------------------------------
+def parse_logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    if raw is None:
+        return None
+    bias: dict[int, float] = {}
+    for key, value in raw.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise APIError(f"logit_bias key {key!r} is invalid: keys must be token ids written as integers",
+                           param="logit_bias") from None
+        if not -100.0 <= value <= 100.0:
+            raise APIError(f"logit_bias[{key!r}]={value} is invalid: biases must be in [-100, 100]",
+                           param="logit_bias")
+        bias[token_id] = float(value)
+    return bias
+
+
+def make_sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None, stream: bool) -> SamplingParams:
+    """SamplingParams from the request; ``SamplingParams``' own checks become 400s."""
+    top_k = req.top_k if req.top_k not in (None, 0) else -1  # vLLM: 0 and -1 both disable
+    kwargs: dict[str, Any] = dict(
+        n=req.n or 1,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=top_k,
+        min_p=req.min_p or 0.0,
+        seed=req.seed,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens or 0,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=bool(req.ignore_eos),
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        logit_bias=parse_logit_bias(req.logit_bias),
+        skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+    )
+    if isinstance(req.stop, list) and len(req.stop) > 64:
+        raise APIError(f"stop has {len(req.stop)} strings; at most 64 are allowed", param="stop")
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        raise bad_request(e) from None
+
+
+def bad_request(e: ValueError, *, prompt_param: str = "prompt") -> APIError:
+    message = str(e)
+    param = param_of_message(message)
+    if "+ max_tokens (" in message:
+        param = "max_tokens"  # prompt + max_tokens exceed the context: max_tokens is what to change
+    elif param == "prompt":
+        param = prompt_param
+    return APIError(message, param=param)
+
+
+def finish_reason(reason: str | None) -> str | None:
+    # OpenAI knows stop and length; an abort only happens when the client is gone.
+    return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                            "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
+
+
+# -- logprobs ----------------------------------------------------------------------------------
+def finite(x: float) -> float:
+    return x if math.isfinite(x) else MIN_LOGPROB
+
+
+def token_text(tokenizer: Any, token_id: int, entry: Logprob | None) -> str:
+    if entry is not None and entry.decoded_token is not None:
+        return entry.decoded_token
+    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+
+def top_entries(position: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The top-``k`` alternatives at one position, best first (rank 1..k)."""
+    ranked = [(tid, lp) for tid, lp in position.items() if lp.rank is not None and 1 <= lp.rank <= k]
+    return sorted(ranked, key=lambda item: item[1].rank or 0)
+
+
+# -- SSE and concurrency -----------------------------------------------------------------------
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A ``text/event-stream`` response that always closes its generator when it ends.
+
+    When a client disconnects, Starlette cancels the send in progress and leaves the generator
+    suspended at its ``yield``; closing it here runs its ``finally`` (which aborts the request
+    in the engine) now, rather than whenever the garbage collector finalizes it.
+    """
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+def sse_error(error: BaseException) -> str:
+    if isinstance(error, APIError):
+        return sse(error_body(error.message, status=error.status, param=error.param, code=error.code))
+    if isinstance(error, EngineDeadError):
+        return sse(error_body(f"the engine is not available: {error}", status=503))
+    return sse(error_body(f"internal server error ({type(error).__name__}); see the server log", status=500))
+
+
+async def merge(generators: list[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several async generators as they come, tagged with the generator's index.
+
+    One task per generator; when the consumer stops (or is cancelled) every task is cancelled,
+    which closes its generator (for ``AsyncLLM.generate``: aborts the request).
+    """
+    if len(generators) == 1:
+        async for item in generators[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None, bool]] = asyncio.Queue()
+
+    async def pump(index: int, gen: AsyncGenerator[T, None]) -> None:
+        try:
+            async for item in gen:
+                await queue.put((index, item, None, False))
+        except Exception as e:  # noqa: BLE001 - re-raised in the consumer below
+            await queue.put((index, None, e, True))
+            return
+        await queue.put((index, None, None, True))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generators)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item, error, done = await queue.get()
+            if error is not None:
+                raise error
+            if done:
+                remaining -= 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Run ``work`` unless the client disconnects first; then cancel it and return None.
+
+    Cancelling a non-streaming request's work closes its ``generate`` calls, which aborts them
+    in the engine: a client that gives up does not keep holding KV blocks.
+    """
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task in done:
+        return task.result()
+    with contextlib.suppress(BaseException):
+        await task
+    return None

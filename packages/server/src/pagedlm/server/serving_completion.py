@@ -1,0 +1,264 @@
+"""POST /v1/completions: the legacy text-completion endpoint, as OpenAI serves it.
+
+One engine request per prompt (``{id}-{i}``); choice ``i * n + j`` is choice ``j`` of prompt ``i``.
+All prompts are tokenized and validated before any is queued, so a bad prompt is a 400 that
+leaves the engine untouched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from pagedlm.core.engine.async_llm import EngineDeadError
+from pagedlm.core.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
+from pagedlm.core.sampling_params import SamplingParams
+from pagedlm.server.errors import APIError, error_response, logger
+from pagedlm.server.protocol import CompletionRequest
+from pagedlm.server.serving_common import (
+    SSE_DONE,
+    ServerState,
+    SSEResponse,
+    bad_request,
+    check_engine,
+    check_model,
+    engine_dead,
+    finish_reason,
+    finite,
+    make_sampling_params,
+    merge,
+    random_id,
+    sse,
+    sse_error,
+    token_text,
+    top_entries,
+    until_disconnect,
+    usage,
+)
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
+
+
+def _prompts(req: CompletionRequest) -> list[str | list[int]]:
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError("prompt=[] is invalid: give at least one prompt", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return list(prompt)
+
+
+class _Prompt:
+    """One tokenized prompt: its text (decoded for token-id prompts) and token ids."""
+
+    def __init__(self, text: str, token_ids: list[int]) -> None:
+        self.text = text
+        self.token_ids = token_ids
+
+
+def _prepare(state: ServerState, req: CompletionRequest, params: SamplingParams) -> list[_Prompt]:
+    engine = state.engine
+    add_special = True if req.add_special_tokens is None else req.add_special_tokens
+    prompts = []
+    for i, raw in enumerate(_prompts(req)):
+        where = "prompt" if not isinstance(req.prompt, list) or isinstance(req.prompt[0], int) else f"prompt[{i}]"
+        try:
+            if isinstance(raw, str):
+                _, ids = engine.processor.tokenize_prompt(raw, add_special_tokens=add_special)
+                engine.processor.validate(ids, params)
+                text = raw
+            else:
+                if not raw:
+                    raise ValueError(f"{where}=[] is invalid: a token-id prompt needs at least one token")
+                ids = list(raw)
+                engine.processor.validate(ids, params)  # checks the vocabulary range, which decode needs
+                text = engine.tokenizer.decode(ids) if engine.tokenizer is not None else ""
+        except ValueError as e:
+            raise bad_request(e, prompt_param=where) from None
+        prompts.append(_Prompt(text, ids))
+    return prompts
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Any:
+    check_model(state, req.model)
+    check_engine(state)
+    if req.suffix is not None:
+        raise APIError("suffix is not supported by this server: leave it null", param="suffix")
+    n = req.n or 1
+    if req.best_of is not None and req.best_of != n:
+        raise APIError(f"best_of={req.best_of} is not supported: it must equal n={n} (or be left out)",
+                       param="best_of")
+    stream = bool(req.stream)
+    if req.stream_options is not None and not stream:
+        raise APIError("stream_options is only allowed with stream=true", param="stream_options")
+    echo = bool(req.echo)
+    params = make_sampling_params(
+        req, max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, logprobs=req.logprobs,
+        prompt_logprobs=req.logprobs if echo and req.logprobs is not None else None, stream=stream,
+    )
+    prompts = _prepare(state, req, params)
+    request_id = random_id("cmpl")
+    created = int(time.time())
+    gens = [
+        state.engine.generate({"prompt": p.text, "prompt_token_ids": p.token_ids}, params, f"{request_id}-{i}")
+        for i, p in enumerate(prompts)
+    ]
+    builder = _Builder(state, req, prompts, n, echo, request_id, created)
+    if stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return SSEResponse(builder.stream(gens, include_usage))
+
+    async def collect() -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(gens)
+        async for i, out in merge(gens):
+            finals[i] = out
+        return [f for f in finals if f is not None]
+
+    try:
+        outputs = await until_disconnect(raw, collect())
+    except EngineDeadError as e:
+        return error_response(engine_dead(e))
+    if outputs is None:  # the client went away; nobody reads this
+        return JSONResponse({}, status_code=499)
+    return JSONResponse(builder.response(outputs))
+
+
+class _Builder:
+    def __init__(self, state: ServerState, req: CompletionRequest, prompts: list[_Prompt], n: int, echo: bool,
+                 request_id: str, created: int) -> None:
+        self.engine = state.engine
+        self.tokenizer = state.engine.tokenizer
+        self.model = state.model_name
+        self.req = req
+        self.prompts = prompts
+        self.n = n
+        self.echo = echo
+        self.id = request_id
+        self.created = created
+        self.num_logprobs = req.logprobs
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices}
+
+    # -- logprobs ---------------------------------------------------------------------------
+    def _logprobs(self, token_ids: list[int], logprobs: SampleLogprobs | PromptLogprobs,
+                  offset: int) -> tuple[dict[str, Any], int]:
+        """OpenAI's legacy logprobs object for some tokens; returns it and the next text offset."""
+        k = self.num_logprobs or 0
+        body: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, position in zip(token_ids, logprobs):
+            entry = position.get(tid) if position is not None else None
+            text = token_text(self.tokenizer, tid, entry)
+            body["tokens"].append(text)
+            # The first prompt token has no logprob (nothing precedes it): null, as OpenAI sends.
+            body["token_logprobs"].append(finite(entry.logprob) if entry is not None else None)
+            if position is None:
+                body["top_logprobs"].append(None)
+            else:
+                top = {token_text(self.tokenizer, t, lp): finite(lp.logprob) for t, lp in top_entries(position, k)}
+                if entry is not None:
+                    top.setdefault(text, finite(entry.logprob))
+                body["top_logprobs"].append(top)
+            body["text_offset"].append(offset)
+            offset += len(text)
+        return body, offset
+
+    def _choice_logprobs(self, out: RequestOutput, c: Any, prompt: _Prompt, first: bool,
+                         offset: int) -> tuple[dict[str, Any], int]:
+        """Logprobs of a choice's (new) tokens, preceded by the prompt's when echoing its first part."""
+        parts = []
+        if self.echo and first:
+            prompt_logprobs = out.prompt_logprobs or [None] * len(prompt.token_ids)
+            part, offset = self._logprobs(prompt.token_ids, prompt_logprobs, 0)
+            parts.append(part)
+        part, offset = self._logprobs(c.token_ids, c.logprobs or [], offset)
+        parts.append(part)
+        if len(parts) == 1:
+            return parts[0], offset
+        return {key: parts[0][key] + parts[1][key] for key in parts[1]}, offset
+
+    # -- non-streaming ------------------------------------------------------------------------
+    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        num_prompt = num_generated = num_cached = 0
+        for i, (out, prompt) in enumerate(zip(outputs, self.prompts)):
+            if out.error:
+                raise APIError(f"generation failed: {out.error}", status=500)
+            num_prompt += len(out.prompt_token_ids)
+            num_cached += out.num_cached_tokens
+            for c in out.outputs:
+                num_generated += len(c.token_ids)
+                logprobs = None
+                if self.num_logprobs is not None:
+                    start = 0 if self.echo else len(prompt.text)
+                    logprobs, _ = self._choice_logprobs(out, c, prompt, True, start)
+                choices.append({"index": i * self.n + c.index,
+                                "text": (prompt.text if self.echo else "") + c.text,
+                                "logprobs": logprobs,
+                                "finish_reason": finish_reason(c.finish_reason)})
+        body = self._envelope(sorted(choices, key=lambda c: c["index"]))
+        body["usage"] = usage(num_prompt, num_generated, num_cached)
+        return body
+
+    # -- streaming ----------------------------------------------------------------------------
+    async def stream(self, gens: list[AsyncGenerator[RequestOutput, None]], include_usage: bool):
+        """SSE events; an error after the 200 status line is sent in-band, then ``[DONE]``."""
+        try:
+            async for event in self._events(gens, include_usage):
+                yield event
+        except (APIError, EngineDeadError) as e:
+            yield sse_error(e)
+        except Exception as e:  # noqa: BLE001 - the status line is sent: report in-band, then end
+            logger.exception("completion stream %s failed", self.id)
+            yield sse_error(e)
+        finally:
+            # However the stream ends (client gone included), nothing of it keeps running.
+            for i in range(len(gens)):
+                self.engine.abort(f"{self.id}-{i}")
+        yield SSE_DONE
+
+    async def _events(self, gens: list[AsyncGenerator[RequestOutput, None]], include_usage: bool):
+        started: set[int] = set()
+        finished: set[int] = set()
+        offsets: dict[int, int] = {}  # choice index -> text offset of its next token (logprobs)
+        num_prompt = num_generated = 0
+        async for i, out in merge(gens):
+            prompt = self.prompts[i]
+            if out.error:
+                raise APIError(f"generation failed: {out.error}", status=500)
+            choices = []
+            for c in out.outputs:
+                index = i * self.n + c.index
+                if index in finished:
+                    continue
+                text, logprobs = c.text, None
+                first = index not in started
+                if first:
+                    started.add(index)
+                    if c.index == 0:
+                        num_prompt += len(out.prompt_token_ids)
+                    offsets[index] = 0 if self.echo else len(prompt.text)
+                    if self.echo:
+                        text = prompt.text + text
+                if self.num_logprobs is not None:
+                    logprobs, offsets[index] = self._choice_logprobs(out, c, prompt, first, offsets[index])
+                num_generated += len(c.token_ids)
+                reason = finish_reason(c.finish_reason)
+                if reason is not None:
+                    finished.add(index)
+                if not text and reason is None and logprobs is None:
+                    continue  # e.g. a token that ends inside a multi-byte character: nothing to say yet
+                choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
+            if choices:
+                yield sse(self._envelope(choices))
+        if include_usage:
+            body = self._envelope([])
+            body["usage"] = usage(num_prompt, num_generated)
+            yield sse(body)

@@ -1,0 +1,130 @@
+"""`pagedlm bench throughput | latency | prefix` on a tiny checkpoint: JSON fields present and sane.
+
+Tiny runs only (seconds); the numbers themselves are not checked, only that they make sense.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+# Imported before any test captures output: the engine's log handler binds the stderr it sees first.
+import pagedlm.core.engine.core  # noqa: F401
+from pagedlm.core.cli import main
+
+CPU = ["--device", "cpu", "--dtype", "float32"]
+
+
+def _run(argv: list[str], out_json) -> dict:
+    assert main(argv + ["--output-json", str(out_json)]) == 0
+    return json.loads(out_json.read_text())
+
+
+def _positive(*values) -> bool:
+    return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
+
+
+def _check_png(path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_throughput_fixed_with_hf_and_timeline(tiny_llama, tmp_path, capsys):
+    png = tmp_path / "kv.png"
+    r = _run(["bench", "throughput", "--model", tiny_llama, *CPU, "--workload", "fixed", "--num-prompts", "6",
+              "--input-len", "20", "--output-len", "6", "--compare", "hf", "--kv-timeline", str(png)],
+             tmp_path / "t.json")
+    assert "pagedlm bench throughput" in capsys.readouterr().out
+    assert r["benchmark"] == "throughput" and r["num_requests"] == 6
+    assert r["total_input_tokens"] == 120 and r["total_output_tokens"] == 36
+    assert _positive(r["elapsed_s"], r["requests_per_s"], r["input_tokens_per_s"], r["output_tokens_per_s"])
+    assert r["output_tokens_per_s"] == pytest.approx(36 / r["elapsed_s"])
+    assert 0 < r["peak_kv_cache_usage"] <= 1 and r["num_preemptions"] == 0 and r["num_steps"] >= 6
+    assert r["engine"]["device"] == "cpu" and r["engine"]["dtype"] == "float32" and r["engine"]["num_blocks"] > 0
+    assert r["workload"]["name"] == "fixed" and r["environment"]["cpu_count"] >= 1
+    hf = r["hf"]
+    assert "error" not in hf, hf
+    assert hf["api"] == "generate_batch" and hf["total_output_tokens"] == 36 and _positive(hf["elapsed_s"])
+    assert r["speedup_vs_hf"] == pytest.approx(r["output_tokens_per_s"] / hf["output_tokens_per_s"])
+    _check_png(png)
+    samples = json.loads((tmp_path / "kv.json").read_text())["runs"][0]["samples"]
+    assert len(samples) == r["num_steps"] + 1
+    assert sum(s["prefill_tokens"] for s in samples) == 120
+    for s in samples:
+        assert s["used_blocks"] + s["cached_free_blocks"] + s["empty_blocks"] == s["num_blocks"]
+    assert samples[-1]["used_blocks"] == 0 and samples[-1]["cached_free_blocks"] > 0  # prefix cache keeps them
+
+
+def test_throughput_sharegpt_like_with_hf_manager(tiny_llama, tmp_path):
+    r = _run(["bench", "throughput", "--model", tiny_llama, *CPU, "--workload", "sharegpt-like", "--num-prompts",
+              "5", "--max-model-len", "96", "--compare", "hf"], tmp_path / "s.json")
+    w = r["workload"]
+    assert w["name"] == "sharegpt-like" and w["num_requests"] == 5
+    assert w["input_len"]["max"] + w["output_len"]["min"] <= 96 and len(set(w["params"])) > 5
+    assert r["total_output_tokens"] == w["total_output_tokens"]
+    # per-request output lengths: HF runs them through its manager's add_request(max_new_tokens=...)
+    assert r["hf"].get("api") == "ContinuousBatchingManager", r["hf"]
+    assert r["hf"]["total_output_tokens"] == w["total_output_tokens"]
+
+
+def test_throughput_reports_preemptions(tiny_llama, tmp_path):
+    # 6 requests grow to 3 blocks each, but the cache has 8: the engine must preempt some.
+    r = _run(["bench", "throughput", "--model", tiny_llama, *CPU, "--num-prompts", "6", "--input-len", "8",
+              "--output-len", "40", "--num-gpu-blocks-override", "8"], tmp_path / "p.json")
+    assert r["num_preemptions"] > 0 and r["steps"]["steps_with_preemption"] > 0
+    assert r["peak_kv_cache_usage"] == pytest.approx(1.0) and r["peak_used_blocks"] == 8
+    assert r["total_output_tokens"] == 240
+
+
+def test_latency(tiny_llama, tmp_path):
+    r = _run(["bench", "latency", "--model", tiny_llama, *CPU, "--batch-size", "3", "--input-len", "24",
+              "--output-len", "5", "--num-iters", "3", "--num-iters-warmup", "1"], tmp_path / "l.json")
+    assert r["benchmark"] == "latency" and r["batch_size"] == 3
+    assert len(r["iterations"]) == 3 and all(x["decode_steps"] == 4 for x in r["iterations"])
+    for key in ("prefill_latency_ms", "decode_latency_ms", "e2e_latency_ms"):
+        d = r[key]
+        assert d["count"] == 3 and _positive(d["mean"], d["p50"], d["p90"], d["p99"])
+        assert d["min"] <= d["p50"] <= d["p90"] <= d["p99"] <= d["max"]
+    assert r["decode_step_latency_ms"]["count"] == 12
+    assert r["prefill_latency_ms"]["mean"] < r["e2e_latency_ms"]["mean"]
+
+
+def test_prefix_caching_on_vs_off(tiny_llama, tmp_path):
+    png = tmp_path / "prefix.png"
+    r = _run(["bench", "prefix", "--model", tiny_llama, *CPU, "--num-prompts", "8", "--num-prefixes", "2",
+              "--prefix-len", "64", "--suffix-len", "8", "--output-len", "4", "--kv-timeline", str(png)],
+             tmp_path / "p.json")
+    on, off = r["caching_on"], r["caching_off"]
+    assert on["enable_prefix_caching"] and not off["enable_prefix_caching"]
+    assert on["prompt_tokens"] == off["prompt_tokens"] == 8 * 72
+    # each 64-token prefix (4 blocks) is computed once, then served from the cache to 3 requests
+    assert on["cached_prompt_tokens"] == 6 * 64 and on["hit_rate"] == pytest.approx(384 / 576)
+    assert on["prefill_tokens_computed"] == 576 - 384
+    assert off["cached_prompt_tokens"] == 0 and off["prefill_tokens_computed"] == 576
+    assert r["prefill_tokens_saved"] == 384 and r["prefill_reduction"] == pytest.approx(384 / 576)
+    assert _positive(r["speedup"], on["elapsed_s"], off["elapsed_s"])
+    _check_png(png)
+    runs = json.loads((tmp_path / "prefix.json").read_text())["runs"]
+    assert [x["label"] for x in runs] == ["prefix caching ON", "prefix caching OFF"]
+
+
+def test_bad_options_name_the_problem(tiny_llama, capsys):
+    assert main(["bench", "throughput", *CPU]) == 2
+    assert "--model" in capsys.readouterr().err
+    assert main(["bench", "throughput", "--model", tiny_llama, "--model-config", "qwen3-0.6b", *CPU]) == 2
+    assert "not both" in capsys.readouterr().err
+    # the tiny model's context is 512 tokens: a 600 + 100 token request cannot fit
+    assert main(["bench", "latency", "--model", tiny_llama, *CPU, "--input-len", "600", "--output-len", "100"]) == 2
+    assert "max_model_len" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_model_config_with_dummy_weights(tmp_path):
+    # The published Qwen3-0.6B shape with random weights: no files but the shipped config.json.
+    r = _run(["bench", "throughput", "--model-config", "qwen3-0.6b", "--load-format", "dummy", *CPU,
+              "--num-prompts", "2", "--input-len", "8", "--output-len", "2", "--max-num-seqs", "2"],
+             tmp_path / "q.json")
+    assert r["engine"]["model"] == "qwen3-0.6b" and r["engine"]["load_format"] == "dummy"
+    assert r["engine"]["max_model_len"] == 16 and r["total_output_tokens"] == 4

@@ -1,0 +1,266 @@
+"""The Triton paged-attention and KV-write kernels against the CPU reference backend.
+
+Each case is a random paged batch: requests with a cached prefix already in the cache (block ids
+randomly permuted, so the block table matters), this step's new tokens, and every slot no request
+owns poisoned with NaN, so reading outside a context shows up in the output. The reference is
+``cpu_paged`` (plain torch, float32) on the same inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from pagedlm.core.attention import CommonAttentionMetadata
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = [] if INTERPRET else [pytest.mark.cuda]
+
+MIXED = [(0, 7), (20, 1), (35, 9), (0, 1), (50, 1), (16, 16), (3, 2)]
+DECODES = [(5, 1), (0, 1), (40, 1), (17, 1), (100, 1)]
+LONG_DECODES = [(700, 1), (1500, 1), (3, 1)]
+if INTERPRET:
+    # the interpreter runs each program in numpy: a smaller grid of cases, same code paths
+    HEAD_SIZES = [32, 80]
+    HEADS = [(4, 4), (4, 2), (6, 2)]
+    BLOCK_SIZES = [1, 16]
+    DTYPES = [torch.float32, torch.bfloat16]
+else:
+    HEAD_SIZES = [32, 64, 80, 128, 256]
+    HEADS = [(4, 4), (4, 2), (8, 2), (6, 2), (16, 8), (32, 4)]
+    BLOCK_SIZES = [1, 16, 32]
+    DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {
+    torch.float32: {"atol": 2e-5, "rtol": 2e-5},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+    torch.float16: {"atol": 4e-3, "rtol": 4e-3},
+}
+
+
+@dataclass
+class Case:
+    common: CommonAttentionMetadata  # on the CPU
+    query: torch.Tensor  # [T, H, D]
+    key: torch.Tensor  # [T, Hkv, D]
+    value: torch.Tensor
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, Hkv, D], NaN where nothing is stored
+    new_slots: torch.Tensor  # [T]
+
+
+def make_case(reqs, *, block_size, num_heads, num_kv_heads, head_size, dtype, seed=0) -> Case:
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in reqs]
+    blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    max_blocks = max(blocks_per_req) + 1
+    block_table = torch.full((len(reqs), max_blocks), num_blocks - 1, dtype=torch.int32)
+    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_size), float("nan"), dtype=dtype)
+    flat = cache.view(2, -1, num_kv_heads, head_size)
+    used = 0
+    keys, values, new_slots = [], [], []
+    for i, ((cached, qlen), n) in enumerate(zip(reqs, blocks_per_req)):
+        ids = perm[used : used + n]
+        used += n
+        block_table[i, :n] = ids.to(torch.int32)
+        pos = torch.arange(cached + qlen)
+        slots = ids[pos // block_size] * block_size + pos % block_size
+        k = torch.randn(cached + qlen, num_kv_heads, head_size, generator=gen).to(dtype)
+        v = torch.randn(cached + qlen, num_kv_heads, head_size, generator=gen).to(dtype)
+        flat[0, slots[:cached]] = k[:cached]
+        flat[1, slots[:cached]] = v[:cached]
+        keys.append(k[cached:])
+        values.append(v[cached:])
+        new_slots.append(slots[cached:])
+    query_lens = [q for _, q in reqs]
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    slot_mapping = torch.cat(new_slots).to(torch.int64)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq, seq_lens_cpu=seq.clone(),
+        num_computed_tokens_cpu=torch.tensor([c for c, _ in reqs], dtype=torch.int32),
+        block_table=block_table, slot_mapping=slot_mapping, num_reqs=len(reqs),
+        num_actual_tokens=sum(query_lens), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+    )
+    query = torch.randn(sum(query_lens), num_heads, head_size, generator=gen).to(dtype)
+    return Case(common, query, torch.cat(keys), torch.cat(values), cache, slot_mapping)
+
+
+def reference(case: Case, *, num_heads, num_kv_heads, head_size, sliding_window=None, soft_cap=None) -> torch.Tensor:
+    """``cpu_paged`` in float32 on the same batch (explicit path when soft-capped)."""
+    from pagedlm.backends.cpu.attention import CpuAttentionMetadataBuilder, CpuPagedAttentionImpl
+
+    impl = CpuPagedAttentionImpl(num_heads=num_heads, head_size=head_size, scale=head_size**-0.5,
+                                 num_kv_heads=num_kv_heads, sliding_window=sliding_window, logits_soft_cap=soft_cap)
+    block_size = case.kv_cache.shape[2]
+    meta = CpuAttentionMetadataBuilder(block_size=block_size, device=torch.device("cpu")).build(case.common)
+    cache = case.kv_cache.float().clone()
+    return impl.forward(case.query.float(), case.key.float(), case.value.float(), cache, meta)
+
+
+def to_device(common: CommonAttentionMetadata, device: torch.device) -> CommonAttentionMetadata:
+    return CommonAttentionMetadata(
+        query_start_loc=common.query_start_loc.to(device), query_start_loc_cpu=common.query_start_loc_cpu,
+        seq_lens=common.seq_lens.to(device), seq_lens_cpu=common.seq_lens_cpu,
+        num_computed_tokens_cpu=common.num_computed_tokens_cpu, block_table=common.block_table.to(device),
+        slot_mapping=common.slot_mapping.to(device), num_reqs=common.num_reqs,
+        num_actual_tokens=common.num_actual_tokens, max_query_len=common.max_query_len,
+        max_seq_len=common.max_seq_len,
+    )
+
+
+def run_triton(case: Case, device, *, num_heads, num_kv_heads, head_size, sliding_window=None, soft_cap=None,
+               num_splits=None, config=None):
+    from pagedlm.backends.cuda.triton_attn import TritonAttentionImpl, TritonAttentionMetadataBuilder
+
+    builder = TritonAttentionMetadataBuilder(block_size=case.kv_cache.shape[2], device=device)
+    builder.num_kv_heads = num_kv_heads
+    meta = builder.build(to_device(case.common, device))
+    if num_splits is not None:
+        meta.num_splits = num_splits
+    impl = TritonAttentionImpl(num_heads=num_heads, head_size=head_size, scale=head_size**-0.5,
+                               num_kv_heads=num_kv_heads, sliding_window=sliding_window, logits_soft_cap=soft_cap)
+    impl.kernel_config = config
+    cache = case.kv_cache.to(device)
+    out = impl.forward(case.query.to(device), case.key.to(device), case.value.to(device), cache, meta)
+    return out.cpu(), cache.cpu(), meta
+
+
+def check(case: Case, device, dtype, *, num_heads, num_kv_heads, head_size, **kwargs):
+    shape = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size)
+    ref_kwargs = {k: v for k, v in kwargs.items() if k in ("sliding_window", "soft_cap")}
+    out, cache, meta = run_triton(case, device, **shape, **kwargs)
+    assert out.dtype == dtype and out.shape == case.query.shape
+    assert torch.isfinite(out).all(), "non-finite output: a kernel read outside a request's context"
+    expected = reference(case, **shape, **ref_kwargs)
+    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+    flat = cache.view(2, -1, num_kv_heads, head_size)
+    assert torch.equal(flat[0, case.new_slots], case.key)
+    assert torch.equal(flat[1, case.new_slots], case.value)
+    return meta
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_mixed_batch(device, block_size, heads, head_size, dtype):
+    num_heads, num_kv_heads = heads
+    shape = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size)
+    case = make_case(MIXED, block_size=block_size, dtype=dtype, seed=block_size + head_size + num_heads, **shape)
+    check(case, device, dtype, **shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("num_splits", [1, 2, 8])
+def test_decode_batch_and_split_kv(device, heads, num_splits, dtype):
+    num_heads, num_kv_heads = heads
+    shape = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=64)
+    case = make_case(DECODES, block_size=16, dtype=dtype, seed=num_splits, **shape)
+    check(case, device, dtype, num_splits=num_splits, **shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("num_splits", [None, 4, 16])
+def test_long_context_decode(device, num_splits, dtype):
+    shape = dict(num_heads=8, num_kv_heads=2, head_size=64)
+    case = make_case(LONG_DECODES, block_size=16, dtype=dtype, seed=5, **shape)
+    meta = check(case, device, dtype, num_splits=num_splits, **shape)
+    if num_splits is None and device.type == "cuda":
+        assert meta.num_splits > 1, "three long decodes should take the split-KV path"
+
+
+@pytest.mark.parametrize("num_splits", [2, 4])
+def test_split_kv_on_prefill_chunks(device, num_splits):
+    """The kernel's split path is general (the builder only picks it for decodes)."""
+    shape = dict(num_heads=4, num_kv_heads=2, head_size=32)
+    case = make_case(MIXED, block_size=16, dtype=torch.float32, seed=11, **shape)
+    check(case, device, torch.float32, num_splits=num_splits, **shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("sliding_window", [1, 5, 16, 1000])
+def test_sliding_window(device, sliding_window, dtype):
+    shape = dict(num_heads=8, num_kv_heads=2, head_size=32)
+    case = make_case(MIXED, block_size=16, dtype=dtype, seed=7, **shape)
+    check(case, device, dtype, sliding_window=sliding_window, **shape)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 6])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_logits_soft_cap(device, sliding_window, num_splits):
+    shape = dict(num_heads=4, num_kv_heads=2, head_size=64)
+    case = make_case(MIXED, block_size=16, dtype=torch.float32, seed=3, **shape)
+    case.query.mul_(4)  # large scores, so the cap really bends them
+    check(case, device, torch.float32, sliding_window=sliding_window, soft_cap=2.0, num_splits=num_splits, **shape)
+
+
+@pytest.mark.parametrize("config", [{"BLOCK_M": 16, "BLOCK_N": 16}, {"BLOCK_M": 128, "BLOCK_N": 32}])
+def test_other_tile_shapes(device, config):
+    shape = dict(num_heads=8, num_kv_heads=2, head_size=64)
+    case = make_case(MIXED, block_size=16, dtype=torch.float32, seed=9, **shape)
+    check(case, device, torch.float32, config=config, **shape)
+
+
+def test_chunked_prefill_equals_one_step(device):
+    """A prompt fed in three chunks (each attending to the cache the earlier ones wrote) gives
+    the same outputs as the whole prompt in one step."""
+    from pagedlm.backends.cuda.triton_attn import TritonAttentionImpl, TritonAttentionMetadata
+
+    torch.manual_seed(0)
+    block_size, heads, kv_heads, d, prompt = 4, 4, 2, 32, 23
+    q = torch.randn(prompt, heads, d, device=device)
+    k = torch.randn(prompt, kv_heads, d, device=device)
+    v = torch.randn(prompt, kv_heads, d, device=device)
+    block_table = torch.tensor([[6, 2, 7, 0, 5, 3, 1]], dtype=torch.int32, device=device)
+    impl = TritonAttentionImpl(num_heads=heads, head_size=d, scale=d**-0.5, num_kv_heads=kv_heads)
+
+    def meta(start: int, stop: int) -> TritonAttentionMetadata:
+        pos = torch.arange(start, stop, device=device)
+        slots = block_table[0, pos // block_size].long() * block_size + pos % block_size
+        return TritonAttentionMetadata(
+            num_reqs=1, num_tokens=stop - start, max_query_len=stop - start, max_seq_len=stop,
+            query_start_loc=torch.tensor([0, stop - start], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([stop], dtype=torch.int32, device=device), block_table=block_table,
+            slot_mapping=slots,
+        )
+
+    cache = torch.zeros(2, 8, block_size, kv_heads, d, device=device)
+    whole = impl.forward(q, k, v, cache, meta(0, prompt))
+    cache.zero_()
+    chunks = [impl.forward(q[a:b], k[a:b], v[a:b], cache, meta(a, b)) for a, b in [(0, 9), (9, 10), (10, 23)]]
+    torch.testing.assert_close(torch.cat(chunks), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_padded_rows_and_negative_slots(device):
+    """Rows past num_tokens come back as zeros; slot -1 tokens are not written."""
+    shape = dict(num_heads=2, num_kv_heads=2, head_size=32)
+    case = make_case([(3, 2), (9, 1)], block_size=4, dtype=torch.float32, seed=1, **shape)
+    out, cache, _ = run_triton(case, device, **shape)
+    expected = reference(case, **shape)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+    from pagedlm.backends.cuda.kernels.paged_attention import write_kv_cache
+
+    cache_dev = case.kv_cache.to(device)
+    before = cache_dev.clone()
+    slots = torch.full((3,), -1, dtype=torch.int64, device=device)
+    kv = torch.randn(3, 2, 32, device=device)
+    write_kv_cache(kv, kv, cache_dev[0], cache_dev[1], slots)
+    assert torch.equal(cache_dev.isnan(), before.isnan())
+    assert torch.equal(torch.nan_to_num(cache_dev), torch.nan_to_num(before))
+
+
+def test_choose_num_splits():
+    from pagedlm.backends.cuda.kernels.paged_attention import choose_num_splits
+
+    assert choose_num_splits(256, 8, 4096, 132) == 1  # the GPU is full already
+    assert choose_num_splits(1, 8, 4096, 132) == 16
+    assert choose_num_splits(4, 8, 4096, 132) == 8
+    assert choose_num_splits(1, 8, 100, 132) == 1  # too short to split
+    assert choose_num_splits(1, 8, 300, 132) == 2
