@@ -177,7 +177,8 @@ def build(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """Install core + CPU backend + models (CPU torch) and run ``pagedlm demo``."""
+    """Install the CPU stack with the default model (Gemma 3 270M GGUF) and generate text with it."""
     names = ("core", "backend-cpu", "models-llama", "models-qwen")
-    _install_cpu_stack(session, [PACKAGES_DIR / n for n in names])
-    session.run("pagedlm", "demo", *session.posargs)
+    _install_cpu_stack(session, [PACKAGES_DIR / n for n in names], f"{PACKAGES_DIR / 'models-gemma'}[default-model]")
+    prompt = session.posargs or ["The history of the printing press begins in"]
+    session.run("pagedlm", "generate", *prompt, "--max-tokens", "48")

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
+    "EngineDeadError",
     "CompletionOutput",
     "EngineArgs",
     "LLMEngine",
@@ -23,6 +25,7 @@ __all__ = [
 if TYPE_CHECKING:
     from pagedlm.core.config import VllmConfig
     from pagedlm.core.engine.arg_utils import EngineArgs
+    from pagedlm.core.engine.async_llm import AsyncLLM, EngineDeadError
     from pagedlm.core.engine.llm_engine import LLMEngine
     from pagedlm.core.entrypoints.llm import LLM
     from pagedlm.core.outputs import CompletionOutput, Logprob, RequestOutput
@@ -30,6 +33,8 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "LLM": "pagedlm.core.entrypoints.llm",
+    "AsyncLLM": "pagedlm.core.engine.async_llm",
+    "EngineDeadError": "pagedlm.core.engine.async_llm",
     "LLMEngine": "pagedlm.core.engine.llm_engine",
     "EngineArgs": "pagedlm.core.engine.arg_utils",
     "VllmConfig": "pagedlm.core.config",

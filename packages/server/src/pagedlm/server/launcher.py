@@ -19,8 +19,8 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from pagedlm.core import AsyncLLM
 from pagedlm.core.engine.arg_utils import EngineArgs
-from pagedlm.core.engine.async_llm import AsyncLLM
 from pagedlm.core.logger import init_logger
 from pagedlm.server.app import build_app
 from pagedlm.server.metrics import PrometheusStatLogger

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from pagedlm.core.engine.async_llm import EngineDeadError
+from pagedlm.core import EngineDeadError
 from pagedlm.core.outputs import RequestOutput, SampleLogprobs
 from pagedlm.server.errors import APIError, error_response, logger
 from pagedlm.server.protocol import ChatCompletionRequest, ChatMessage

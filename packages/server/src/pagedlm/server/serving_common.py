@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pagedlm.core.engine.async_llm import AsyncLLM, EngineDeadError
+from pagedlm.core import AsyncLLM, EngineDeadError
 from pagedlm.core.outputs import Logprob
 from pagedlm.core.sampling_params import RequestOutputKind, SamplingParams
 from pagedlm.server.errors import APIError, error_body, param_of_message

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from pagedlm.core.engine.async_llm import EngineDeadError
+from pagedlm.core import EngineDeadError
 from pagedlm.core.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
 from pagedlm.core.sampling_params import SamplingParams
 from pagedlm.server.errors import APIError, error_response, logger

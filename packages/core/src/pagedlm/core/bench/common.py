@@ -91,7 +91,13 @@ class EngineSetup:
         return LLM(**{**self.kwargs, **overrides})
 
     def _hf_config(self) -> dict[str, Any]:
-        with open(os.path.join(str(self.kwargs["model"]), "config.json"), encoding="utf-8") as f:
+        model = str(self.kwargs["model"])
+        if os.path.isfile(model):  # a .gguf file: the hyperparameters live in its metadata
+            from pagedlm.core.model_loader.gguf_loader import load_gguf_model_config
+
+            cfg = load_gguf_model_config(model)[0].to_dict()
+            return cfg.get("text_config") or cfg
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
             cfg = json.load(f)
         return cfg.get("text_config") or cfg
 

@@ -44,7 +44,11 @@ def build_hf_model(model_dir: str, *, dummy: bool, dtype: Any, device: str, attn
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn_implementation, dtype=dtype)
+        gguf = {}
+        if os.path.isfile(model_dir):  # HF reads a GGUF file (dequantized) from its directory
+            model_dir, gguf = os.path.dirname(model_dir), {"gguf_file": os.path.basename(model_dir)}
+        model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn_implementation, dtype=dtype,
+                                                     **gguf)
     return model.to(device=device, dtype=dtype).eval()
 
 
