@@ -23,7 +23,7 @@ from pagedlm.backends.cpu.attention import (
 )
 from pagedlm.core.attention import Attention, CommonAttentionMetadata
 from pagedlm.core.attention.selector import get_attn_backend_cls
-from pagedlm.core.config import VllmConfig
+from pagedlm.core.config import DeviceConfig, VllmConfig
 from pagedlm.core.forward_context import set_current_vllm_config, set_forward_context
 
 # (cached prefix length, query length): decodes, fresh prefills, prefix-cached prompts and
@@ -297,7 +297,7 @@ def test_backend_description_and_validation():
 
 def test_attention_layer_facade_uses_cpu_backend():
     """The model-facing Attention layer, built in a build context, routes through cpu_paged."""
-    config = VllmConfig()
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))  # "auto" is CUDA on a GPU machine
     backend = get_attn_backend_cls(config)
     assert backend is CpuPagedAttentionBackend
     with set_current_vllm_config(config, backend):

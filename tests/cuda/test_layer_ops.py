@@ -51,7 +51,9 @@ def assert_nearly_equal(out, ref, dtype, max_mismatch=0.01):
         torch.testing.assert_close(out, ref, atol=4e-2, rtol=2e-2)
     else:
         eps = torch.finfo(dtype).eps
-        torch.testing.assert_close(out, ref, atol=1e-3, rtol=eps)  # about one unit in the last place
+        # Fused multiply-adds round differently from torch's separate ops: allow about two units
+        # in the last place at magnitude 1 (seen on an H200: 0.4% of bf16 elements one unit off).
+        torch.testing.assert_close(out, ref, atol=2 * eps, rtol=eps)
         if max_mismatch is not None:
             assert (out != ref).float().mean() < max_mismatch
 

@@ -11,7 +11,7 @@ from pagedlm.core.engine.arg_utils import EngineArgs
 from pagedlm.core.engine.llm_engine import LLMEngine
 from pagedlm.core.engine.processor import PromptType
 from pagedlm.core.outputs import RequestOutput
-from pagedlm.core.sampling_params import SamplingParams
+from pagedlm.core.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -133,6 +133,9 @@ class LLM:
             engine.processor.process(str(next(self._request_counter)), prompt, params)
             for prompt, params in zip(prompts, params_list)
         ]
+        for core_request, _ in processed:
+            # Offline generation returns finished outputs only: no per-step RequestOutput copies.
+            core_request.sampling_params.output_kind = RequestOutputKind.FINAL_ONLY
         request_ids = []
         for core_request, text in processed:
             engine.add_processed_request(core_request, text)

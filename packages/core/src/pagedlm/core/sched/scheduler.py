@@ -126,6 +126,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted: list[Request] = []
+        num_decode_tokens = 0
 
         # 1. running requests, oldest first.
         index = 0
@@ -152,6 +153,8 @@ class Scheduler:
                 break
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+            if num_new_tokens == 1 and request.num_output_tokens:
+                num_decode_tokens += 1
             cached.req_ids.append(request.request_id)
             cached.resumed_from_preemption.append(False)
             cached.new_block_ids.append([b.block_id for b in new_blocks])
@@ -212,7 +215,7 @@ class Scheduler:
             preempted_req_ids={r.request_id for r in preempted},
         )
         self.finished_req_ids = set()
-        self._update_stats(output, preempted)
+        self._update_stats(output, len(preempted), num_decode_tokens)
         # NOTE: tokens count as computed from the moment they are scheduled; a sampled token is
         # appended in update_from_output and scheduled in the next step.
         for req_id, num in num_scheduled_tokens.items():
@@ -281,13 +284,8 @@ class Scheduler:
         return False
 
     # -- stats ------------------------------------------------------------------------------
-    def _update_stats(self, output: SchedulerOutput, preempted: list[Request]) -> None:
+    def _update_stats(self, output: SchedulerOutput, num_preempted: int, num_decode: int) -> None:
         kv = self.kv_cache_manager
-        num_decode = sum(
-            1 for req_id, n in output.num_scheduled_tokens.items()
-            if n == 1 and self.requests[req_id].num_computed_tokens + 1 == self.requests[req_id].num_tokens
-            and self.requests[req_id].num_output_tokens > 0
-        )
         self._step += 1
         stats = kv.prefix_cache_stats
         self._last_stats = SchedulerStats(
@@ -298,7 +296,7 @@ class Scheduler:
             num_used_blocks=kv.num_blocks - kv.num_free_blocks,
             num_cached_free_blocks=kv.block_pool.num_cached_free_blocks,
             kv_cache_usage=kv.usage,
-            num_preemptions=len(preempted),
+            num_preemptions=num_preempted,
             num_scheduled_tokens=output.total_num_scheduled_tokens,
             num_prefill_tokens=output.total_num_scheduled_tokens - num_decode,
             num_decode_tokens=num_decode,
