@@ -76,9 +76,7 @@ class ModelRunner:
         if get_pp_group().world_size == 1:
             hidden_states = self.run_model(step)
         else:
-            metadata = self.metadata_builder.build(self._common_metadata(step))
-            input_ids = torch.from_numpy(step.input_ids).to(self.device, non_blocking=True)
-            positions = torch.from_numpy(step.positions).to(self.device, non_blocking=True)
+            metadata, input_ids, positions = self._eager_inputs(step)
             with set_forward_context(metadata):
                 pp_hidden = pp_forward(self.model, input_ids, positions, dtype=self.dtype,
                                        hidden_size=self.vllm_config.model_config.hidden_size)
@@ -126,11 +124,16 @@ class ModelRunner:
         captured graphs (pagedlm-backend-cuda's ``CudaModelRunner``).
         """
         assert self.model is not None
+        metadata, input_ids, positions = self._eager_inputs(step)
+        with set_forward_context(metadata):
+            return self.model(input_ids, positions)
+
+    def _eager_inputs(self, step: StepInputs) -> tuple[object, torch.Tensor, torch.Tensor]:
+        """(attention metadata, input_ids [T], positions [T]) of a step, copied to the device."""
         metadata = self.metadata_builder.build(self._common_metadata(step))
         input_ids = torch.from_numpy(step.input_ids).to(self.device, non_blocking=True)
         positions = torch.from_numpy(step.positions).to(self.device, non_blocking=True)
-        with set_forward_context(metadata):
-            return self.model(input_ids, positions)
+        return metadata, input_ids, positions
 
     def profile_run(self) -> None:
         """Run the largest step the engine will schedule, before the KV cache exists, so the
