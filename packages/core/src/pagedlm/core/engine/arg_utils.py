@@ -19,7 +19,8 @@ from pagedlm.core.config import (
 )
 
 _HELP = {
-    "model": "local HF model directory (config.json, *.safetensors, tokenizer.json)",
+    "model": "local HF model directory (config.json, *.safetensors, tokenizer.json) or a .gguf file; "
+    "default: the default model when installed (pagedlm-models-gemma[default-model])",
     "tokenizer": "tokenizer directory (default: the model directory)",
     "dtype": "auto, float32, bfloat16 or float16 (auto: the checkpoint's dtype, or the platform default)",
     "device": "auto or a registered platform name (cpu, cuda, ...)",
