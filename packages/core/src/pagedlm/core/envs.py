@@ -39,3 +39,8 @@ def cache_root() -> str:
 def logging_level() -> str:
     """``PAGEDLM_LOGGING_LEVEL``: level of the ``pagedlm`` logger (default INFO)."""
     return os.environ.get("PAGEDLM_LOGGING_LEVEL", "INFO").upper()
+
+
+def bench_hf_timeout_s() -> float:
+    """``PAGEDLM_BENCH_HF_TIMEOUT``: seconds ``pagedlm bench --compare hf`` lets HF run (default 3600)."""
+    return float(os.environ.get("PAGEDLM_BENCH_HF_TIMEOUT", 3600))

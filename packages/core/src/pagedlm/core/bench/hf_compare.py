@@ -19,6 +19,7 @@ import os
 import time
 from typing import Any
 
+from pagedlm.core import envs
 from pagedlm.core.bench.workloads import Workload
 
 #: bytes HF continuous batching may spend on attention masks on the CPU (see run_hf)
@@ -167,7 +168,7 @@ def _via_manager(model, inputs, output_lens, gen_config, cb_config) -> tuple[flo
     if hasattr(manager, "warmup"):
         manager.warmup()
     with_eos = _accepts(manager.add_request, "eos_token_id")
-    timeout_s = float(os.environ.get("PAGEDLM_BENCH_HF_TIMEOUT", 3600))
+    timeout_s = envs.bench_hf_timeout_s()
     start = time.perf_counter()
     manager.start()
     results: dict[str, Any] = {}
