@@ -7,7 +7,6 @@ which request. Head counts below are per tensor-parallel rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -17,9 +16,8 @@ from pagedlm.core.attention import Attention
 from pagedlm.core.config import VllmConfig
 from pagedlm.core.distributed import IntermediateTensors, get_pp_group, get_tensor_model_parallel_world_size
 from pagedlm.core.layers import (
-    LogitsProcessor,
+    CausalLM,
     MergedColumnParallelLinear,
-    ParallelLMHead,
     PPMissingLayer,
     QKVParallelLinear,
     RMSNorm,
@@ -27,11 +25,9 @@ from pagedlm.core.layers import (
     VocabParallelEmbedding,
     get_act_and_mul_fn,
     get_rope,
-    is_pp_missing,
     make_layers,
     maybe_prefix,
 )
-from pagedlm.core.model_loader import load_weights_by_name
 
 __all__ = ["LlamaForCausalLM", "LlamaModel", "MistralForCausalLM"]
 
@@ -175,13 +171,11 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
-class LlamaForCausalLM(nn.Module):
-    """The model interface every pagedlm model implements:
+class LlamaForCausalLM(CausalLM):
+    """Llama (and, through MistralForCausalLM, Mistral): a decoder body under :class:`CausalLM`'s LM head."""
 
-    - ``forward(input_ids [T] int64, positions [T] int64) -> hidden_states [T, hidden]``
-    - ``compute_logits(hidden_states [N, hidden]) -> [N, vocab] float32``
-    - ``load_weights(iterable of (hf_name, tensor)) -> set of parameter names loaded``
-    """
+    stacked_params = STACKED_PARAMS
+    skipped_weights = SKIPPED_WEIGHTS
 
     #: Mistral honours config.sliding_window; Llama has no sliding-window attention.
     use_sliding_window = False
@@ -194,39 +188,7 @@ class LlamaForCausalLM(nn.Module):
             vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"),
             use_sliding_window=self.use_sliding_window,
         )
-        self.lm_head: ParallelLMHead | PPMissingLayer = PPMissingLayer()
-        if get_pp_group().is_last_rank:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
-                                          prefix=maybe_prefix(prefix, "lm_head"))
-            # NOTE: a last stage that is not also the first holds no embedding to tie to; it
-            # gets its own copy, loaded from the embedding's tensor (see load_weights).
-            if getattr(config, "tie_word_embeddings", False) and not is_pp_missing(self.model.embed_tokens):
-                self.lm_head.tie_weights(self.model.embed_tokens)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-
-    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.get_input_embeddings(input_ids)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, intermediate_tensors)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        assert isinstance(self.lm_head, ParallelLMHead), "logits are computed on the last pipeline stage only"
-        return self.logits_processor(self.lm_head, hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        skip = SKIPPED_WEIGHTS
-        if getattr(self.config, "tie_word_embeddings", False):
-            if is_pp_missing(self.model.embed_tokens) and not is_pp_missing(self.lm_head):
-                # A last pipeline stage without the embedding: its untied head copy is the
-                # embedding's tensor.
-                weights = (("lm_head.weight" if n == "model.embed_tokens.weight" else n, w)
-                           for n, w in weights if n != "lm_head.weight")
-            else:
-                # NOTE: the head shares the embedding Parameter; a saved copy would load it twice.
-                skip = (*skip, "lm_head.weight")
-        return load_weights_by_name(self, weights, STACKED_PARAMS, skip)
+        self.init_lm_head(prefix)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

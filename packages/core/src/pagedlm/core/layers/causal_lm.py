@@ -1,0 +1,72 @@
+"""The part every decoder-only model shares around its body: the LM head and weight loading."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedlm.core.distributed import IntermediateTensors, get_pp_group
+from pagedlm.core.layers.pipeline import PPMissingLayer, is_pp_missing
+from pagedlm.core.layers.vocab_embedding import LogitsProcessor, ParallelLMHead
+
+
+class CausalLM(nn.Module):
+    """Base of ``XForCausalLM`` classes: the pagedlm model interface on top of a body.
+
+    - ``forward(input_ids [T] int64, positions [T] int64) -> hidden_states [T, hidden]``
+      (or the intermediate tensors handed to the next pipeline stage)
+    - ``compute_logits(hidden_states [N, hidden]) -> [N, vocab] float32``
+    - ``load_weights(iterable of (hf_name, tensor)) -> set of parameter names loaded``
+
+    A subclass sets ``self.config`` (the HF text config) and ``self.model`` (a body with
+    ``embed_tokens``, ``get_input_embeddings`` and ``forward(input_ids, positions,
+    intermediate_tensors)``), then calls :meth:`init_lm_head`. ``stacked_params`` and
+    ``skipped_weights`` describe its checkpoint for ``load_weights_by_name``.
+    """
+
+    stacked_params: tuple[tuple[str, str, Any], ...] = ()
+    skipped_weights: tuple[str, ...] = ()
+    config: Any
+    model: nn.Module
+
+    def init_lm_head(self, prefix: str) -> None:
+        config = self.config
+        self.lm_head: ParallelLMHead | PPMissingLayer = PPMissingLayer()
+        if get_pp_group().is_last_rank:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
+                                          prefix=f"{prefix}.lm_head" if prefix else "lm_head")
+            # NOTE: a last stage that is not also the first holds no embedding to tie to; it
+            # gets its own copy, loaded from the embedding's tensor (see load_weights).
+            if getattr(config, "tie_word_embeddings", False) and not is_pp_missing(self.model.embed_tokens):
+                self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate_tensors)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        assert isinstance(self.lm_head, ParallelLMHead), "logits are computed on the last pipeline stage only"
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        # Imported here: the loader imports the layers package.
+        from pagedlm.core.model_loader import load_weights_by_name
+
+        skip = self.skipped_weights
+        if getattr(self.config, "tie_word_embeddings", False):
+            if is_pp_missing(self.model.embed_tokens) and not is_pp_missing(self.lm_head):
+                # A last pipeline stage without the embedding: its untied head copy is the
+                # embedding's tensor.
+                weights = (("lm_head.weight" if n == "model.embed_tokens.weight" else n, w)
+                           for n, w in weights if n != "lm_head.weight")
+            else:
+                # NOTE: the head shares the embedding Parameter; a saved copy would load it twice.
+                skip = (*skip, "lm_head.weight")
+        return load_weights_by_name(self, weights, self.stacked_params, skip)
