@@ -8,7 +8,7 @@ methods never do sharding arithmetic themselves.
 """
 
 from pagedlm.core.layers.activation import GeluAndMul, SiluAndMul, get_act_and_mul_fn
-from pagedlm.core.layers.causal_lm import CausalLM
+from pagedlm.core.layers.causal_lm import CausalLM, DecoderModel
 from pagedlm.core.layers.layernorm import RMSNorm
 from pagedlm.core.layers.linear import (
     ColumnParallelLinear,
@@ -30,6 +30,7 @@ from pagedlm.core.layers.vocab_embedding import (
 __all__ = [
     "CausalLM",
     "ColumnParallelLinear",
+    "DecoderModel",
     "GeluAndMul",
     "LinearBase",
     "LogitsProcessor",

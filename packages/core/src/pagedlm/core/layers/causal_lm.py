@@ -1,16 +1,17 @@
-"""The part every decoder-only model shares around its body: the LM head and weight loading."""
+"""What decoder-only models share: the pre-norm decoder body and the LM head with weight loading."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 from pagedlm.core.distributed import IntermediateTensors, get_pp_group
-from pagedlm.core.layers.pipeline import PPMissingLayer, is_pp_missing
-from pagedlm.core.layers.vocab_embedding import LogitsProcessor, ParallelLMHead
+from pagedlm.core.layers.layernorm import RMSNorm
+from pagedlm.core.layers.pipeline import PPMissingLayer, is_pp_missing, make_layers
+from pagedlm.core.layers.vocab_embedding import LogitsProcessor, ParallelLMHead, VocabParallelEmbedding
 
 
 class CausalLM(nn.Module):
@@ -70,3 +71,47 @@ class CausalLM(nn.Module):
                 # NOTE: the head shares the embedding Parameter; a saved copy would load it twice.
                 skip = (*skip, "lm_head.weight")
         return load_weights_by_name(self, weights, self.stacked_params, skip)
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers and final norm: ``(input_ids [T], positions [T]) -> [T, hidden]``.
+
+    ``make_layer(i)`` builds decoder layer ``i``; a layer is called as
+    ``layer(positions, hidden_states, residual) -> (hidden_states, residual)`` (pre-norm with a
+    running residual, as Llama and Qwen are).
+    """
+
+    def __init__(self, config: Any, prefix: str, make_layer: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        self.config = config
+        # NOTE: with pipeline parallelism this rank builds only its stage's modules (the others
+        # are parameter-free placeholders), so each stage holds and loads only its share.
+        pp = get_pp_group()
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                   prefix=f"{prefix}.embed_tokens" if prefix else "embed_tokens")
+            if pp.is_first_rank else PPMissingLayer()
+        )
+        self.start_layer, self.end_layer, self.layers = make_layers(config.num_hidden_layers, make_layer)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if pp.is_last_rank else PPMissingLayer()
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        """A non-first pipeline stage starts from the previous stage's ``intermediate_tensors``;
+        a non-last stage returns its activations as ``IntermediateTensors`` instead."""
+        residual: torch.Tensor | None
+        if intermediate_tensors is None:
+            hidden_states = self.get_input_embeddings(input_ids)
+            residual = None
+        else:
+            hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        for layer in self.layers[self.start_layer : self.end_layer]:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        if not get_pp_group().is_last_rank:
+            assert residual is not None
+            return IntermediateTensors(hidden_states=hidden_states, residual=residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states

@@ -15,18 +15,16 @@ from torch import nn
 
 from pagedlm.core.attention import Attention
 from pagedlm.core.config import VllmConfig
-from pagedlm.core.distributed import IntermediateTensors, get_pp_group, get_tensor_model_parallel_world_size
+from pagedlm.core.distributed import get_tensor_model_parallel_world_size
 from pagedlm.core.layers import (
     CausalLM,
+    DecoderModel,
     MergedColumnParallelLinear,
-    PPMissingLayer,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
-    VocabParallelEmbedding,
     get_act_and_mul_fn,
     get_rope,
-    make_layers,
     maybe_prefix,
 )
 
@@ -146,47 +144,14 @@ class Qwen2DecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-class Qwen2Model(nn.Module):
+class Qwen2Model(DecoderModel):
     """Embedding, decoder layers and final norm: ``(input_ids [T], positions [T]) -> [T, hidden]``."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "",
                  attn_cls: type[Qwen2Attention] = Qwen2Attention) -> None:
-        super().__init__()
         config = vllm_config.model_config.text_config
-        self.config = config
-        # NOTE: with pipeline parallelism this rank builds only its stage's modules (the others
-        # are parameter-free placeholders), so each stage holds and loads only its share.
-        pp = get_pp_group()
-        self.embed_tokens = (
-            VocabParallelEmbedding(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens"))
-            if pp.is_first_rank else PPMissingLayer()
-        )
-        self.start_layer, self.end_layer, self.layers = make_layers(
-            config.num_hidden_layers,
-            lambda i: Qwen2DecoderLayer(config, maybe_prefix(prefix, f"layers.{i}"), attn_cls, i),
-        )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if pp.is_last_rank else PPMissingLayer()
-
-    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
-        """A non-first pipeline stage starts from the previous stage's ``intermediate_tensors``;
-        a non-last stage returns its activations as ``IntermediateTensors`` instead."""
-        residual: torch.Tensor | None
-        if intermediate_tensors is None:
-            hidden_states = self.get_input_embeddings(input_ids)
-            residual = None
-        else:
-            hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
-        for layer in self.layers[self.start_layer : self.end_layer]:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        if not get_pp_group().is_last_rank:
-            assert residual is not None
-            return IntermediateTensors(hidden_states=hidden_states, residual=residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        super().__init__(config, prefix,
+                         lambda i: Qwen2DecoderLayer(config, maybe_prefix(prefix, f"layers.{i}"), attn_cls, i))
 
 
 class Qwen2ForCausalLM(CausalLM):
