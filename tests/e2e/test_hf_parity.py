@@ -38,6 +38,11 @@ MODES = {
     "chunked-tiny-budget": {"max_num_batched_tokens": 8, "max_num_seqs": 4},
     # 7 prompts need up to ~8 blocks each at the end; 14 blocks of 16 forces preemption.
     "preemption": {"num_gpu_blocks_override": 14, "max_model_len": 200},
+    # Step N+1 scheduled before step N's tokens are back (the CUDA default), alone and combined
+    # with chunking and preemption (a request preempted with its token in flight).
+    "async": {"async_scheduling": True},
+    "async-chunked": {"async_scheduling": True, "max_num_batched_tokens": 8, "max_num_seqs": 4},
+    "async-preemption": {"async_scheduling": True, "num_gpu_blocks_override": 14, "max_model_len": 200},
 }
 
 
@@ -55,10 +60,11 @@ def test_greedy_matches_hf(arch, mode, tiny_checkpoints, references, capsys):
     llm = LLM(model=tiny_checkpoints[arch], dtype="float32", device="cpu", **kwargs)
     forgiven = assert_greedy_matches_hf(tiny_checkpoints[arch], prompts, MAX_NEW, llm=llm, reference=refs[arch])
     core = llm.llm_engine.core
-    if mode == "preemption":
+    if mode.endswith("preemption"):
         assert core.scheduler.num_preemptions_total > 0, "the small KV cache did not force any preemption"
-    if mode == "default":
+    if mode in ("default", "async"):
         assert core.scheduler.kv_cache_manager.prefix_cache_stats.num_hit_tokens > 0
+    assert core.batch_queue is None or not core.batch_queue, "a batch was left in flight"
     with capsys.disabled():
         print(f"\n[{arch}/{mode}] near-ties forgiven: {forgiven}")
     assert forgiven <= 1

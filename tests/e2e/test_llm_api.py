@@ -12,9 +12,11 @@ from pagedlm.core import LLM, SamplingParams
 from pagedlm.core.testing import EOS_ID
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_llama):
-    return LLM(model=tiny_llama, dtype="float32", device="cpu")
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(tiny_llama, request):
+    # Every sampling semantic must hold with async scheduling (step N+1 scheduled before step
+    # N's tokens are back) exactly as without it.
+    return LLM(model=tiny_llama, dtype="float32", device="cpu", async_scheduling=request.param)
 
 
 def tokens(out):

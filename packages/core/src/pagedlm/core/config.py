@@ -265,12 +265,17 @@ class SchedulerConfig:
 
     ``max_num_batched_tokens`` is the per-step token budget shared by prefill chunks and decode
     tokens (default: 8192, at least ``max_model_len`` when chunked prefill is off).
+
+    ``async_scheduling`` schedules step N+1 while the device runs step N; the token sampled in
+    step N is fed to step N+1 on the device. ``None`` (default) turns it on where the platform
+    gains from it (``Platform.supports_async_scheduling``) and one process runs the model.
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     max_model_len: int = 2048
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -349,8 +354,24 @@ class VllmConfig:
             self.scheduler_config.finalize(int(mc.max_model_len or 2048))
         else:
             self.scheduler_config.finalize(self.scheduler_config.max_model_len)
+        self._resolve_async_scheduling(platform.supports_async_scheduling)
         platform.check_and_update_config(self)
         get_plugins().check_and_update_config(self)
+
+    def _resolve_async_scheduling(self, platform_default: bool) -> None:
+        sc, pc = self.scheduler_config, self.parallel_config
+        # NOTE: only the in-process executor keeps the sampled tokens on the device between steps;
+        # the multi-process ones return them to the host every step (pipeline stages need them).
+        one_process = pc.distributed_executor_backend == "uni" and pc.data_parallel_size == 1
+        if sc.async_scheduling is None:
+            sc.async_scheduling = platform_default and one_process
+        elif sc.async_scheduling and not one_process:
+            raise ValueError(
+                f"async_scheduling=True needs the in-process executor (distributed_executor_backend='uni', one "
+                f"rank, data_parallel_size=1); got distributed_executor_backend="
+                f"{pc.distributed_executor_backend!r}, tensor_parallel_size={pc.tensor_parallel_size}, "
+                f"pipeline_parallel_size={pc.pipeline_parallel_size}, data_parallel_size={pc.data_parallel_size}"
+            )
 
     @property
     def max_model_len(self) -> int:

@@ -76,6 +76,15 @@ class Request:
         self.max_tokens = max_tokens if max_tokens is not None else (sampling_params.max_tokens or 1)
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
+        #: tokens sampled on the device but not yet back on the host (async scheduling); the
+        #: scheduler already counts them: the next step computes their K/V
+        self.num_output_placeholders = 0
+        # Penalties and min_tokens read the whole output so far on the host: such a request
+        # waits for its sampled token instead of running one step ahead of it.
+        p = sampling_params
+        self.needs_output_history = (
+            p.min_tokens > 0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+        )
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> Request:

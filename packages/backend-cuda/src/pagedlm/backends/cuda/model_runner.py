@@ -72,12 +72,17 @@ class CudaModelRunner(ModelRunner):
         self._token_buf = torch.zeros(tok_len, dtype=torch.int64, device=device)
         self._req_buf = torch.zeros(req_len, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(self.max_num_reqs, self.max_blocks, dtype=torch.int32, device=device)
-        self._token_host = torch.zeros(tok_len, dtype=torch.int64, pin_memory=on_cuda)
-        self._req_host = torch.zeros(req_len, dtype=torch.int32, pin_memory=on_cuda)
-        self._bt_host = torch.zeros(self.max_num_reqs * self.max_blocks, dtype=torch.int32, pin_memory=on_cuda)
-        self._token_np = self._token_host.numpy()
-        self._req_np = self._req_host.numpy()
-        self._bt_np = self._bt_host.numpy()
+        # NOTE: two sets of pinned staging buffers, used in turn: with async scheduling the host
+        # stages step N+1 while the copies of step N may still be queued behind the device's
+        # work, so a step must not overwrite the buffers the step before it copies from. (The
+        # step after next may: its inputs are staged after the engine waited for step N's tokens,
+        # which the device produced after step N's copies.)
+        self._staging = [
+            tuple(torch.zeros(n, dtype=dt, pin_memory=on_cuda) for n, dt in
+                  ((tok_len, torch.int64), (req_len, torch.int32), (self.max_num_reqs * self.max_blocks, torch.int32)))
+            for _ in range(2)
+        ]
+        self._num_staged = 0
 
         self.use_graphs = (on_cuda and not vllm_config.enforce_eager) or self.emulate_graphs
         self.capture_sizes = default_capture_sizes(self.max_num_reqs)
@@ -104,8 +109,10 @@ class CudaModelRunner(ModelRunner):
         """Write one step's inputs (``num_tokens``/``num_reqs`` after padding) into the buffers.
 
         ``step=None`` stages an all-padding decode batch (graph capture)."""
-        t = self._token_np
-        r = self._req_np
+        token_host, req_host, bt_host = self._staging[self._num_staged % 2]
+        self._num_staged += 1
+        t = token_host.numpy()
+        r = req_host.numpy()
         ts, rs = _tok_stride(num_tokens), _req_stride(num_reqs)
         real_t = real_b = 0
         r[0] = 0
@@ -122,22 +129,22 @@ class CudaModelRunner(ModelRunner):
             t[2 * ts + real_t : 2 * ts + num_tokens] = -1
             r[real_b + 1 : num_reqs + 1] = np.arange(real_t + 1, real_t + 1 + num_reqs - real_b)
             r[rs + real_b : rs + num_reqs] = 1
-        self._token_buf[: 3 * ts].copy_(self._token_host[: 3 * ts], non_blocking=True)
-        self._req_buf[: 2 * rs].copy_(self._req_host[: 2 * rs], non_blocking=True)
+        self._token_buf[: 3 * ts].copy_(token_host[: 3 * ts], non_blocking=True)
+        self._req_buf[: 2 * rs].copy_(req_host[: 2 * rs], non_blocking=True)
         max_seq_len = self.max_model_len
         max_query_len = 1
         if step is not None and real_b:
             nb = step.block_table.shape[1]
-            staged = self._bt_np[: real_b * nb].reshape(real_b, nb)
-            staged[:] = step.block_table
-            self.block_table[:real_b, :nb].copy_(self._bt_host[: real_b * nb].view(real_b, nb), non_blocking=True)
+            staged = bt_host[: real_b * nb].view(real_b, nb)
+            staged.numpy()[:] = step.block_table
+            self.block_table[:real_b, :nb].copy_(staged, non_blocking=True)
             max_seq_len = int(step.seq_lens.max())
             max_query_len = int(step.num_scheduled.max())
         return CommonAttentionMetadata(
             query_start_loc=self._req_buf[: num_reqs + 1],
-            query_start_loc_cpu=self._req_host[: num_reqs + 1],
+            query_start_loc_cpu=req_host[: num_reqs + 1],
             seq_lens=self._req_buf[rs : rs + num_reqs],
-            seq_lens_cpu=self._req_host[rs : rs + num_reqs],
+            seq_lens_cpu=req_host[rs : rs + num_reqs],
             num_computed_tokens_cpu=torch.from_numpy(step.num_computed) if step is not None else torch.zeros(0),
             block_table=self.block_table[:num_reqs],
             slot_mapping=self._token_buf[2 * ts : 2 * ts + num_tokens],
@@ -159,12 +166,14 @@ class CudaModelRunner(ModelRunner):
         if self._graphs and num_tokens == num_reqs and num_reqs <= self.max_capture_size:
             padded = int(self._pad_to[num_reqs])
             self._stage(step, padded, padded)
+            self.feed_sampled_tokens(self._token_buf[:num_tokens], step)
             replay, hidden = self._graphs[padded]
             replay()
             return hidden[:num_tokens]
         common = self._stage(step, num_tokens, num_reqs)
         metadata = self.metadata_builder.build(common)
         input_ids, positions = self._ids_positions(num_tokens)
+        self.feed_sampled_tokens(input_ids, step)
         with set_forward_context(metadata):
             return self.model(input_ids, positions)
 

@@ -42,6 +42,7 @@ class CudaPlatform(Platform):
     default_dtype = torch.bfloat16
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     supports_graphs = True
+    supports_async_scheduling = True
 
     def get_attn_backend_name(self, vllm_config: VllmConfig) -> str:
         block_size = vllm_config.cache_config.block_size

@@ -34,6 +34,8 @@ _HELP = {
     "max_num_seqs": "most requests in one batch",
     "max_num_batched_tokens": "token budget per step (prefill chunks + decodes)",
     "enable_chunked_prefill": "split long prompts across steps",
+    "async_scheduling": "schedule step N+1 while the device runs step N (default: on where the platform "
+    "gains from it, e.g. CUDA, with one process)",
     "tensor_parallel_size": "ranks per tensor-parallel group",
     "pipeline_parallel_size": "pipeline stages",
     "data_parallel_size": "engine replicas",
@@ -63,6 +65,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -108,6 +111,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                async_scheduling=self.async_scheduling,
             ),
             load_config=LoadConfig(load_format=self.load_format),
             device_config=DeviceConfig(device=self.device),

@@ -45,12 +45,17 @@ class EngineCore:
             max_num_batched_tokens=int(sc.max_num_batched_tokens or 8192),
             max_model_len=vllm_config.max_model_len,
             enable_chunked_prefill=sc.enable_chunked_prefill,
+            async_scheduling=bool(sc.async_scheduling),
         )
         self._stats_listeners: list[StatsListener] = []
         # Pipeline parallelism: up to pp_size batches in flight, so every stage has work
         # (a request is in at most one of them: the scheduler skips requests whose sampled
-        # token is not back yet).
+        # token is not back yet). Async scheduling: two batches, the one the device runs and
+        # the next, scheduled meanwhile on output placeholders.
         depth = self.executor.max_concurrent_batches
+        self.split_running_over_batches = depth > 1
+        if sc.async_scheduling:
+            depth = 2
         self.batch_queue: deque[tuple[Future, SchedulerOutput]] | None = deque() if depth > 1 else None
         self.batch_queue_size = depth
 
@@ -112,9 +117,10 @@ class EngineCore:
         """Submit a new batch while the queue has room; otherwise (or when nothing new can be
         scheduled) wait for the oldest batch and return its outputs."""
         if len(queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
-            # Split the running requests over the pipeline's depth so that, in steady-state
-            # decoding too, every stage has a batch.
-            self.scheduler.max_running_per_batch = -(-len(self.scheduler.running) // self.batch_queue_size)
+            if self.split_running_over_batches:
+                # Split the running requests over the pipeline's depth so that, in steady-state
+                # decoding too, every stage has a batch.
+                self.scheduler.max_running_per_batch = -(-len(self.scheduler.running) // self.batch_queue_size)
             scheduler_output = self.scheduler.schedule()
             # NOTE: an empty batch still goes out when it carries finished ids, so workers free them.
             if scheduler_output.total_num_scheduled_tokens > 0 or scheduler_output.finished_req_ids:
@@ -125,7 +131,13 @@ class EngineCore:
         if not queue:
             return []
         future, scheduler_output = queue.popleft()
-        return self._update(scheduler_output, future.result())
+        outputs = self._update(scheduler_output, future.result())
+        # NOTE: once nothing is left to run, batches still in flight only carry tokens of finished
+        # requests; drain them now so that no stale batch is waiting when new requests arrive.
+        while queue and not self.scheduler.has_unfinished_requests():
+            future, scheduler_output = queue.popleft()
+            outputs.extend(self._update(scheduler_output, future.result()))
+        return outputs
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)

@@ -26,5 +26,9 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput,
                       non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        if non_block and self.vllm_config.scheduler_config.async_scheduling:
+            # The step is queued on the device; result() waits for its tokens.
+            return self.worker.execute_model(scheduler_output, non_block=True)  # type: ignore[return-value]
         output = self.worker.execute_model(scheduler_output)
+        assert isinstance(output, ModelRunnerOutput)
         return done_future(output) if non_block else output

@@ -105,8 +105,15 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens={num_new_tokens} is invalid: must be >= 0")
-        new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.get(request.request_id)
+        if req_blocks and not new_computed_blocks:
+            # The common case (a decode step): the held blocks may already have room.
+            num_total_tokens = request.num_computed_tokens + num_new_tokens
+            if num_total_tokens <= len(req_blocks) * self.block_size and num_total_tokens <= self.max_model_len:
+                if self.enable_caching:
+                    self._cache_full_blocks(request, req_blocks, min(num_total_tokens, request.num_tokens))
+                return []
+        new_computed_blocks = new_computed_blocks or []
         if new_computed_blocks and req_blocks:
             raise ValueError(
                 f"request {request.request_id!r} already holds blocks; prefix hits may only be "

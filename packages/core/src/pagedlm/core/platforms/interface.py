@@ -24,6 +24,9 @@ class Platform:
     supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
     #: whether decode steps may be replayed through device graphs
     supports_graphs: bool = False
+    #: whether the engine schedules step N+1 while step N runs by default (``async_scheduling``):
+    #: a gain only where the model runs asynchronously to the host, as on GPUs
+    supports_async_scheduling: bool = False
 
     def get_attn_backend_name(self, vllm_config: VllmConfig) -> str:
         """Name of the attention backend to use (a key of the attention-backend registry)."""

@@ -10,6 +10,13 @@ Order of a step:
      preempted (its blocks are freed and it is recomputed later) until the current one fits;
   2. waiting requests, FCFS, while budget, ``max_num_seqs`` and blocks allow (none are
      admitted in a step that had to preempt).
+
+With ``async_scheduling`` the engine schedules step N+1 before step N's sampled tokens are
+back: every request that samples in a step gets an output *placeholder*, which the next step
+computes like a known token (the model runner feeds the sampled id on the device).
+``update_from_output`` later swaps the placeholder for the real token. A request whose next
+token would end it by length, or whose sampling reads its output history on the host
+(penalties, ``min_tokens``), is not scheduled ahead of its placeholder.
 """
 
 from __future__ import annotations
@@ -65,8 +72,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        async_scheduling: bool = False,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self.async_scheduling = async_scheduling
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -134,11 +143,12 @@ class Scheduler:
         cap = self.max_running_per_batch
         while index < len(self.running) and token_budget > 0 and (cap is None or num_running_scheduled < cap):
             request = self.running[index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_placeholders = request.num_output_placeholders
+            num_new_tokens = min(request.num_tokens + num_placeholders - request.num_computed_tokens, token_budget)
             # NOTE: a running request has at least one token to compute (the rest of its prompt,
             # or the token sampled in the previous step) unless its last batch is still in flight
             # (pipeline parallelism keeps several batches in flight); then it waits for the token.
-            if num_new_tokens == 0:
+            if num_new_tokens == 0 or (num_placeholders and self._must_wait_for_token(request)):
                 index += 1
                 continue
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
@@ -166,6 +176,8 @@ class Scheduler:
         # 2. waiting requests, FCFS.
         while not preempted and self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted with a token in flight: it resumes once the token is back
             computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed
             if num_new_tokens > token_budget:
@@ -217,10 +229,25 @@ class Scheduler:
         self.finished_req_ids = set()
         self._update_stats(output, len(preempted), num_decode_tokens)
         # NOTE: tokens count as computed from the moment they are scheduled; a sampled token is
-        # appended in update_from_output and scheduled in the next step.
+        # appended in update_from_output and scheduled in the next step (or, asynchronously, its
+        # placeholder is scheduled in the next step already).
         for req_id, num in num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += num
+            request = self.requests[req_id]
+            request.num_computed_tokens += num
+            if self.async_scheduling and (
+                request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders
+            ):
+                request.num_output_placeholders += 1
         return output
+
+    def _must_wait_for_token(self, request: Request) -> bool:
+        """Whether a request with a token in flight must not be scheduled past it."""
+        pending = request.num_output_placeholders
+        return (
+            request.needs_output_history
+            or request.num_output_tokens + pending >= request.max_tokens
+            or request.num_tokens + pending >= self.max_model_len
+        )
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -236,12 +263,20 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        all_logprobs, all_prompt_logprobs = runner_output.logprobs, runner_output.prompt_logprobs
         for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                # Aborted or preempted while the step ran: its tokens are dropped.
+            if request is None:
+                continue  # finished or aborted while the step ran: its tokens are dropped
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= len(token_ids)
+            elif request.status != RequestStatus.RUNNING:
+                # Preempted while the step ran (only possible with batches in flight for pipeline
+                # stages): it is recomputed and samples this position again.
                 continue
-            prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
+            # NOTE: with async scheduling a request preempted while its token was in flight keeps
+            # that token (drawn from the right context, and its generator has moved on).
+            prompt_logprobs = all_prompt_logprobs.get(req_id) if all_prompt_logprobs else None
             if not token_ids and prompt_logprobs is None:
                 continue
             new_token_ids: list[int] = []
@@ -250,7 +285,7 @@ class Scheduler:
                 new_token_ids.append(token_id)
                 if self._check_stop(request, token_id):
                     break
-            logprobs = runner_output.logprobs.get(req_id)
+            logprobs = all_logprobs.get(req_id) if all_logprobs else None
             if logprobs is not None and len(new_token_ids) < len(token_ids):
                 logprobs = tuple(x[: len(new_token_ids)] for x in logprobs)
             outputs.append(
@@ -265,7 +300,10 @@ class Scheduler:
                 )
             )
             if request.is_finished:
-                self.running.remove(request)
+                if request in self.waiting:  # preempted with its last token in flight
+                    self.waiting.remove(request)
+                else:
+                    self.running.remove(request)
                 self._free(request)
         return outputs
 

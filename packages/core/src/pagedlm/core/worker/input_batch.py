@@ -15,6 +15,8 @@ import torch
 from pagedlm.core.sampling_params import SamplingParams
 from pagedlm.core.sched.output import SchedulerOutput
 
+_EMPTY = np.zeros(0, dtype=np.int64)
+
 
 @dataclass
 class CachedRequestState:
@@ -27,6 +29,9 @@ class CachedRequestState:
     num_computed_tokens: int
     num_blocks: int
     output_token_ids: list[int] = field(default_factory=list)
+    #: tokens sampled on the device whose ids the host does not have yet (async scheduling);
+    #: they follow the ``num_tokens`` known ones
+    num_pending: int = 0
     #: prompt logprobs gathered over the prompt's chunks, sent when the prompt is done
     prompt_logprobs_parts: list[tuple[list[list[int]], list[list[float]], list[int]]] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
@@ -50,8 +55,12 @@ class StepInputs:
     slot_mapping: np.ndarray  # [T]
     seq_lens: np.ndarray  # [B]
     block_table: np.ndarray  # [B, max_blocks_in_step]
-    #: batch indices of requests whose last scheduled token is their last known token
+    #: batch indices of requests whose last scheduled token is their last token
     sample_indices: np.ndarray  # [S]
+    #: async scheduling: flat indices into ``input_ids`` whose token is still on the device
+    #: (``input_ids`` holds a stand-in there), and for each, its row in the last sampled tensor
+    fed_token_indices: np.ndarray = field(default_factory=lambda: _EMPTY)  # [F]
+    fed_sample_indices: np.ndarray = field(default_factory=lambda: _EMPTY)  # [F]
 
 
 class InputBatch:
@@ -67,9 +76,16 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
         self.requests: dict[str, CachedRequestState] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        #: the last step's sampled ids ``[S]`` on the device, and each request's row in it
+        self.sampled_on_device: torch.Tensor | None = None
+        self.sample_row_of: dict[str, int] = {}
+        #: bumped whenever a request joins or leaves (per-batch caches key on it)
+        self.membership_version = 0
 
     # -- applying the scheduler's decisions ---------------------------------------------------
     def update(self, sched: SchedulerOutput) -> None:
+        if sched.finished_req_ids or sched.scheduled_new_reqs:
+            self.membership_version += 1
         for req_id in sched.finished_req_ids:
             state = self.requests.pop(req_id, None)
             if state is not None:
@@ -96,6 +112,8 @@ class InputBatch:
             state = self.requests[req_id]
             new_block_ids = cached.new_block_ids[i]
             if cached.resumed_from_preemption[i]:
+                # NOTE: the scheduler resumes a request only once its in-flight token is back.
+                assert state.num_pending == 0, f"{req_id} resumed with a token in flight"
                 state.num_blocks = 0
                 token_ids = cached.token_ids[i]
                 assert token_ids is not None
@@ -107,10 +125,21 @@ class InputBatch:
                 state.num_blocks += len(new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens[i]
 
+    def set_sampled_on_device(self, states: list[CachedRequestState], sampled: torch.Tensor) -> None:
+        """Record a step's sampled ids ``[S]`` (row j for ``states[j]``) before they reach the host."""
+        self.sampled_on_device = sampled
+        self.sample_row_of = {state.req_id: j for j, state in enumerate(states)}
+        for state in states:
+            state.num_pending += 1
+
     def append_sampled(self, state: CachedRequestState, token_id: int) -> None:
+        if self.requests.get(state.req_id) is not state:
+            return  # finished while its token was in flight: its row may belong to another request
         if state.num_tokens < self.max_model_len:
             self.token_ids[state.row, state.num_tokens] = token_id
         state.num_tokens += 1
+        if state.num_pending:
+            state.num_pending -= 1
         state.output_token_ids.append(token_id)
 
     # -- building a step's flat inputs --------------------------------------------------------
@@ -134,10 +163,23 @@ class InputBatch:
         block_table = self.block_table[rows, :max_blocks]
         block_ids = self.block_table[token_rows, positions // self.block_size].astype(np.int64)
         slot_mapping = block_ids * self.block_size + positions % self.block_size
-        num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
-        sample_indices = np.nonzero(seq_lens >= num_tokens)[0]
+        num_known = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
+        fed_token_indices = fed_sample_indices = _EMPTY
+        if any(s.num_pending for s in states):
+            num_pending = np.fromiter((s.num_pending for s in states), dtype=np.int64, count=len(states))
+            sample_indices = np.nonzero(seq_lens >= num_known + num_pending)[0]
+            # NOTE: at most one token per request is in flight (the engine takes a step's result
+            # before it runs the step after next), so only position num_known can be unknown.
+            fed_token_indices = np.nonzero(positions >= num_known[token_req])[0]
+            fed_reqs = token_req[fed_token_indices]
+            assert (positions[fed_token_indices] == num_known[fed_reqs]).all()
+            fed_sample_indices = np.fromiter((self.sample_row_of[req_ids[b]] for b in fed_reqs), dtype=np.int64,
+                                             count=len(fed_reqs))
+        else:
+            sample_indices = np.nonzero(seq_lens >= num_known)[0]
         return StepInputs(
             req_ids=req_ids, rows=rows, num_scheduled=num_scheduled, num_computed=num_computed,
             query_start_loc=query_start_loc, input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
             seq_lens=seq_lens, block_table=block_table, sample_indices=sample_indices,
+            fed_token_indices=fed_token_indices, fed_sample_indices=fed_sample_indices,
         )

@@ -12,13 +12,69 @@ from pagedlm.core.distributed import get_pp_group, pp_forward
 from pagedlm.core.forward_context import set_forward_context
 from pagedlm.core.logger import init_logger
 from pagedlm.core.model_loader import load_model
-from pagedlm.core.sample import Sampler, build_sampling_metadata, compute_topk_logprobs
+from pagedlm.core.sample import Sampler, SamplingMetadata, build_sampling_metadata, compute_topk_logprobs
 from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedlm.core.worker.input_batch import InputBatch, StepInputs
 
 logger = init_logger(__name__)
 
 LogprobsLists = tuple[list[list[int]], list[list[float]], list[int]]
+
+
+class AsyncModelRunnerOutput:
+    """A step whose sampled tokens may still be on the device; ``result()`` brings them back.
+
+    NOTE: results must be taken in step order: ``result()`` appends each token to its request's
+    host state, which the step after next reads.
+    """
+
+    def __init__(self, runner: ModelRunner, req_ids: list[str], prompt_logprobs: dict[str, LogprobsLists]) -> None:
+        self._runner = runner
+        self.req_ids = req_ids
+        self._prompt_logprobs = prompt_logprobs
+        self._sample_indices: np.ndarray | None = None
+        self._sample_states: list = []
+        self._token_ids_host: torch.Tensor | None = None
+        self._logprobs = None
+        self._event = None
+        self._output: ModelRunnerOutput | None = None
+
+    def set_sampled(self, sample_indices: np.ndarray, sample_states: list, out) -> None:
+        self._sample_indices = sample_indices
+        self._sample_states = sample_states
+        self._logprobs = out.logprobs_tensors
+        self._token_ids_host, self._event = self._runner.copy_to_host(out.sampled_token_ids)
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is not None:
+            return self._output
+        sampled: list[list[int]] = [[] for _ in self.req_ids]
+        logprobs: dict[str, LogprobsLists] = {}
+        if self._token_ids_host is not None:
+            if self._event is not None:
+                self._event.synchronize()
+            token_ids = self._token_ids_host.tolist()  # the one device-to-host copy of the step
+            lp = self._logprobs.tolists() if self._logprobs is not None else None
+            batch = self._runner.input_batch
+            assert self._sample_indices is not None
+            for j, (i, state) in enumerate(zip(self._sample_indices, self._sample_states)):
+                sampled[i] = [token_ids[j]]
+                batch.append_sampled(state, token_ids[j])
+                k = state.sampling_params.logprobs
+                if lp is not None and k is not None:
+                    logprobs[state.req_id] = ([lp[0][j][: k + 1]], [lp[1][j][: k + 1]], [lp[2][j]])
+        self._output = ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
+                                         prompt_logprobs=self._prompt_logprobs)
+        self._runner = None  # type: ignore[assignment]
+        return self._output
+
+
+def _done(output: ModelRunnerOutput, non_block: bool) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+    if not non_block:
+        return output
+    pending = AsyncModelRunnerOutput(None, output.req_ids, output.prompt_logprobs)  # type: ignore[arg-type]
+    pending._output = output
+    return pending
 
 
 class ModelRunner:
@@ -43,6 +99,8 @@ class ModelRunner:
             device=device,
         )
         self.metadata_builder = self.attn_backend.get_builder_cls()(block_size=self.block_size, device=device)
+        self._sampling_key: tuple | None = None
+        self._sampling_md: SamplingMetadata | None = None
 
     # -- set-up -----------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -66,11 +124,15 @@ class ModelRunner:
 
     # -- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput,
+                      non_block: bool = False) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Run one step. ``non_block=True`` (async scheduling) returns as soon as the step is
+        queued on the device; its ``result()`` waits for the sampled tokens. The next step may
+        be run before that: tokens still on the device are fed to it there."""
         batch = self.input_batch
         batch.update(sched)
         if sched.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return _done(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]), non_block)
         step = batch.prepare(sched)
         assert self.model is not None
         if get_pp_group().world_size == 1:
@@ -82,40 +144,44 @@ class ModelRunner:
                                        hidden_size=self.vllm_config.model_config.hidden_size)
             if pp_hidden is None:
                 # A non-last pipeline stage handed its activations on; the last one samples.
-                return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=[[] for _ in step.req_ids])
+                return _done(ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=[[] for _ in step.req_ids]),
+                             non_block)
             hidden_states = pp_hidden
 
         states = [batch.requests[r] for r in step.req_ids]
         prompt_logprobs = self._prompt_logprobs(step, states, hidden_states)
-
-        sampled: list[list[int]] = [[] for _ in step.req_ids]
-        logprobs: dict[str, LogprobsLists] = {}
+        pending = AsyncModelRunnerOutput(self, step.req_ids, prompt_logprobs)
         if len(step.sample_indices):
             sample_states = [states[i] for i in step.sample_indices]
             # non_blocking: a blocking copy would make the host wait for the forward pass here
             logits_indices = torch.from_numpy(step.query_start_loc[1:][step.sample_indices] - 1).to(
                 self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden_states[logits_indices])
-            generators = {i: s.generator for i, s in enumerate(sample_states) if s.generator is not None}
-            metadata_s = build_sampling_metadata(
+            out = self.sampler(logits, self._sampling_metadata(sample_states, logits.shape[-1]))
+            batch.set_sampled_on_device(sample_states, out.sampled_token_ids)
+            pending.set_sampled(step.sample_indices, sample_states, out)
+        return pending if non_block else pending.result()
+
+    def _sampling_metadata(self, sample_states: list, vocab_size: int) -> SamplingMetadata:
+        """The sampling metadata of these rows, rebuilt only when the rows change.
+
+        NOTE: in steady decoding the same requests sample step after step; the metadata holds
+        their output lists by reference (they grow in place) and their generators, so it stays
+        valid until a request joins or leaves the batch (``InputBatch.membership_version``).
+        """
+        key = (self.input_batch.membership_version, vocab_size, tuple(s.req_id for s in sample_states))
+        if key != self._sampling_key:
+            self._sampling_key = key
+            self._sampling_md = build_sampling_metadata(
                 [s.sampling_params for s in sample_states],
                 prompt_token_ids=[s.prompt_token_ids for s in sample_states],
                 output_token_ids=[s.output_token_ids for s in sample_states],
-                vocab_size=logits.shape[-1],
+                vocab_size=vocab_size,
                 device=self.device,
-                generators=generators,
+                generators={i: s.generator for i, s in enumerate(sample_states) if s.generator is not None},
             )
-            out = self.sampler(logits, metadata_s)
-            token_ids = out.sampled_token_ids.tolist()  # the one device-to-host copy of the step
-            lp = out.logprobs_tensors.tolists() if out.logprobs_tensors is not None else None
-            for j, (i, state) in enumerate(zip(step.sample_indices, sample_states)):
-                sampled[i] = [token_ids[j]]
-                batch.append_sampled(state, token_ids[j])
-                k = state.sampling_params.logprobs
-                if lp is not None and k is not None:
-                    logprobs[state.req_id] = ([lp[0][j][: k + 1]], [lp[1][j][: k + 1]], [lp[2][j]])
-        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs)
+        assert self._sampling_md is not None
+        return self._sampling_md
 
     def run_model(self, step: StepInputs) -> torch.Tensor:
         """The forward pass of one (single-stage) step: ``[T, hidden]`` for the step's ``T`` tokens.
@@ -132,8 +198,31 @@ class ModelRunner:
         """(attention metadata, input_ids [T], positions [T]) of a step, copied to the device."""
         metadata = self.metadata_builder.build(self._common_metadata(step))
         input_ids = torch.from_numpy(step.input_ids).to(self.device, non_blocking=True)
+        self.feed_sampled_tokens(input_ids, step)
         positions = torch.from_numpy(step.positions).to(self.device, non_blocking=True)
         return metadata, input_ids, positions
+
+    def feed_sampled_tokens(self, input_ids: torch.Tensor, step: StepInputs) -> None:
+        """Write the tokens of the previous step that are still on the device (async scheduling)
+        into this step's ``input_ids`` ``[T]`` (on the device, in stream order)."""
+        if not len(step.fed_token_indices):
+            return
+        dev = self.device
+        dst = torch.from_numpy(step.fed_token_indices).to(dev, non_blocking=True)
+        src = torch.from_numpy(step.fed_sample_indices).to(dev, non_blocking=True)
+        sampled = self.input_batch.sampled_on_device
+        assert sampled is not None
+        input_ids.index_copy_(0, dst, sampled.index_select(0, src))
+
+    def copy_to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+        """Start copying ``tensor`` to the host without waiting; returns (host tensor, event to
+        wait on before reading it, or None when it is readable at once)."""
+        if self.device.type != "cuda":
+            return tensor.to("cpu"), None
+        host = tensor.to("cpu", non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
 
     def profile_run(self) -> None:
         """Run the largest step the engine will schedule, before the KV cache exists, so the

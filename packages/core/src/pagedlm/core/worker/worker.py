@@ -17,7 +17,7 @@ from pagedlm.core.logger import init_logger
 from pagedlm.core.platforms import resolve_platform
 from pagedlm.core.plugins import resolve_class_path
 from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
-from pagedlm.core.worker.model_runner import ModelRunner
+from pagedlm.core.worker.model_runner import AsyncModelRunnerOutput, ModelRunner
 
 logger = init_logger(__name__)
 
@@ -79,11 +79,12 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput,
-                      sampled_token_ids: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
+                      sampled_token_ids: dict[str, list[int]] | None = None,
+                      non_block: bool = False) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         """Run one step. ``sampled_token_ids`` are tokens the last pipeline stage sampled in
         earlier steps (req id -> tokens, oldest first); only the last stage samples, so the other
         stages learn the tokens they must feed next from the executor, before the step that
-        schedules them."""
+        schedules them. ``non_block``: return once the step is queued (async scheduling)."""
         assert self.model_runner is not None
         if sampled_token_ids and not get_pp_group().is_last_rank:
             batch = self.model_runner.input_batch
@@ -93,7 +94,7 @@ class Worker:
                     continue  # finished or aborted meanwhile
                 for token_id in token_ids:
                     batch.append_sampled(state, token_id)
-        return self.model_runner.execute_model(scheduler_output)
+        return self.model_runner.execute_model(scheduler_output, non_block=non_block)
 
     def check_health(self) -> None:
         """Returns if the worker can serve calls (the executor times the answer)."""
