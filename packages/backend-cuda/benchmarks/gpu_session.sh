@@ -3,7 +3,7 @@
 # benchmark and the throughput benchmarks. Every stage logs to $OUT/<stage>.log and is bounded by
 # its own timeout, so one failing stage still leaves the others' results.
 #
-#   STAGES=install,kernels-tests,nano,kernel-bench,tests,fixed-hf bash packages/backend-cuda/benchmarks/gpu_session.sh
+#   STAGES=install,kernels-tests,nano,nano-sync,kernel-bench,tests,fixed-hf bash packages/backend-cuda/benchmarks/gpu_session.sh
 #
 # Needs the wheels in .whl/ (hatchling & co., see ../shared/tools/device-wheels) on a machine
 # without a package index.
@@ -49,6 +49,16 @@ BENCH="pagedlm bench throughput --model-config qwen3-0.6b --load-format dummy"
 if has nano; then
   stage nano 240 $BENCH --workload nano --output-json "$OUT/nano.json"
   summary "$OUT/nano.json"
+fi
+if has nano-sync; then  # the same without async scheduling: what overlapping host and device gains
+  stage nano-sync 240 $BENCH --workload nano --no-async-scheduling --output-json "$OUT/nano-sync.json"
+  summary "$OUT/nano-sync.json"
+fi
+if has nano-spy; then  # where the host's time goes (py-spy from .whl/; sampling, so timings hold)
+  stage nano-spy 240 py-spy record -r 250 -f raw -o "$OUT/nano-spy.txt" -- \
+    python3 -m pagedlm.core.cli bench throughput --model-config qwen3-0.6b --load-format dummy --workload nano
+  python3 packages/backend-cuda/benchmarks/spy_summary.py "$OUT/nano-spy.txt" --top 45 >"$OUT/nano-spy-top.txt"
+  head -100 "$OUT/nano-spy-top.txt"
 fi
 if has nano-greedy; then
   stage nano-greedy 180 $BENCH --workload nano --temperature 0 --output-json "$OUT/nano-greedy.json"

@@ -130,6 +130,7 @@ def engine_summary(llm: Any, setup: EngineSetup) -> dict[str, Any]:
         "max_num_seqs": sc.max_num_seqs,
         "max_num_batched_tokens": sc.max_num_batched_tokens,
         "enable_chunked_prefill": sc.enable_chunked_prefill,
+        "async_scheduling": sc.async_scheduling,
         "tensor_parallel_size": cfg.parallel_config.tensor_parallel_size,
         "attention_backend": cfg.attention_backend,
         "enforce_eager": cfg.enforce_eager,
