@@ -39,6 +39,10 @@ MODES = {
     "no-prefix-cache": {"enable_prefix_caching": False},
     "chunked-tiny-budget": {"max_num_batched_tokens": 8, "max_num_seqs": 4},
     "preemption": {"num_gpu_blocks_override": 14, "max_model_len": 200},
+    # Async scheduling is the CUDA default; these pin it on (CPU emulation) and off (GPU).
+    "async": {"async_scheduling": True},
+    "async-preemption": {"async_scheduling": True, "num_gpu_blocks_override": 14, "max_model_len": 200},
+    "sync": {"async_scheduling": False},
 }
 
 
@@ -81,10 +85,12 @@ def test_greedy_matches_hf_fp32(arch, mode, tiny_checkpoints, references, engine
     assert bool(runner._graphs) == (mode != "eager")
     forgiven = assert_greedy_matches_hf(tiny_checkpoints[arch], ps, MAX_NEW, llm=llm, reference=refs[arch])
     core = llm.llm_engine.core
-    if mode == "preemption":
+    if mode.endswith("preemption"):
         assert core.scheduler.num_preemptions_total > 0
     if mode == "default":
         assert core.scheduler.kv_cache_manager.prefix_cache_stats.num_hit_tokens > 0
+    assert llm.vllm_config.scheduler_config.async_scheduling == (
+        MODES[mode].get("async_scheduling", kwargs["device"] == "cuda"))
     assert forgiven <= 1
 
 

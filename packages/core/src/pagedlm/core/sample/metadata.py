@@ -33,6 +33,8 @@ class SamplingMetadata:
 
     Attributes:
         temperature: ``[B]`` float32; ``0.0`` marks a greedy row.
+        random_temperature: ``[B]`` float32, what the random path divides by: ``temperature``
+            with greedy rows at ``1.0`` (their draw is discarded).
         all_greedy: every row is greedy (no random draw is made at all).
         all_random: no row is greedy (greedy argmax is skipped).
         top_p: ``[B]`` float32 or ``None`` when no row uses it (``1.0`` = off).
@@ -55,6 +57,7 @@ class SamplingMetadata:
     """
 
     temperature: torch.Tensor
+    random_temperature: torch.Tensor
     all_greedy: bool
     all_random: bool
     top_p: torch.Tensor | None
@@ -143,6 +146,7 @@ def build_sampling_metadata(
     logprobs = [p.logprobs for p in params if p.logprobs is not None]
     return SamplingMetadata(
         temperature=f32(temps),
+        random_temperature=f32([t if t > 0.0 else 1.0 for t in temps]),
         all_greedy=all(greedy),
         all_random=not any(greedy),
         top_p=None if all(v == 1.0 for v in top_p) else f32(top_p),

@@ -7,8 +7,10 @@ Pipeline for logits ``[B, V]``:
    before any processing — the model's own distribution, as vLLM returns by default.
 2. ``process_logits``: float32, logit bias, min-tokens masking, penalties.
 3. greedy rows: ``argmax`` of the processed logits (lowest index wins ties).
-4. random rows: divide by temperature, min-p, top-k, top-p, then the exponential race
-   ``argmax(probs / q)`` with ``q ~ Exponential(1)``, which draws exactly from ``probs``.
+4. random rows: divide by temperature, min-p, top-k, top-p, then the Gumbel-max draw
+   ``argmax(logits - log q)`` with ``q ~ Exponential(1)`` (so ``-log q`` is Gumbel), which
+   draws exactly from ``softmax(logits)`` without computing it: the exponential race
+   ``argmax(probs / q)`` in log space.
 
 Reproducibility contract: every random row consumes exactly one ``Exponential`` draw of ``V``
 values per call. Seeded rows draw theirs with their own generator, so a seeded request gives the
@@ -104,20 +106,17 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if md.all_greedy:
             return greedy_tokens
 
-    temperature = md.temperature.to(logits.device)
-    is_greedy = temperature < _SAMPLING_EPS  # [B]
     # Greedy rows go through the random path too (batched), with a harmless temperature of 1;
     # their result is discarded below.
-    logits = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(1)
+    logits = logits / md.random_temperature.unsqueeze(1)
     if md.min_p is not None:
         logits = apply_min_p(logits, md.min_p)
     if md.top_k is not None or md.top_p is not None:
         logits = apply_top_k_top_p(logits, md.top_k, md.top_p, max_top_k=md.max_top_k)
-    probs = logits.softmax(dim=-1)
-    random_tokens = exponential_race(probs, _random_generators(md))
+    random_tokens = gumbel_max(logits, _random_generators(md))
     if greedy_tokens is None:
         return random_tokens
-    return torch.where(is_greedy, greedy_tokens, random_tokens)
+    return torch.where(md.temperature < _SAMPLING_EPS, greedy_tokens, random_tokens)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -181,16 +180,16 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Draws one token per row from ``probs`` ``[B, V]`` as ``argmax(probs / q)``, ``q`` i.i.d.
-    Exponential(1) — equivalent to multinomial sampling, without a host sync or a cumsum.
+def gumbel_max(logits: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Draws one token per row from ``softmax(logits)`` (``logits`` ``[B, V]`` float32, masked
+    entries ``-inf``) as ``argmax(logits - log q)``, ``q`` i.i.d. Exponential(1) — equivalent to
+    multinomial sampling, without a host sync, a softmax or a cumsum.
 
     Rows in ``generators`` draw their ``q`` row (``V`` values) with their own generator; the other
-    rows share one draw from the default generator. Modifies ``probs`` in place. Returns ``[B]``
-    int64.
+    rows share one draw from the default generator. Returns ``[B]`` int64.
     """
-    num_rows, vocab_size = probs.shape
-    q = torch.empty_like(probs)
+    num_rows, vocab_size = logits.shape
+    q = torch.empty_like(logits)
     if len(generators) < num_rows:
         q.exponential_()
     # A loop over seeded rows only (not the vocabulary): each generator must produce its own
@@ -207,9 +206,9 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
             # E.g. a CPU generator with CUDA logits: draw where the generator lives, then copy.
             draw = torch.empty(vocab_size, dtype=q.dtype, device=generator.device)
             q[row].copy_(draw.exponential_(generator=generator))
-    # An exact 0 from the draw would give 0/0 = NaN on a masked token, and argmax favours NaN.
-    q.clamp_min_(torch.finfo(q.dtype).tiny)
-    return probs.div_(q).argmax(dim=-1)
+    # An exact 0 from the draw would give -inf + inf = NaN on a masked token, and argmax favours NaN.
+    q.clamp_min_(torch.finfo(q.dtype).tiny).log_()
+    return torch.sub(logits, q, out=q).argmax(dim=-1)
 
 
 def _random_generators(md: SamplingMetadata) -> dict[int, torch.Generator]:

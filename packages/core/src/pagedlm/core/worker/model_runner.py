@@ -153,14 +153,21 @@ class ModelRunner:
         pending = AsyncModelRunnerOutput(self, step.req_ids, prompt_logprobs)
         if len(step.sample_indices):
             sample_states = [states[i] for i in step.sample_indices]
-            # non_blocking: a blocking copy would make the host wait for the forward pass here
-            logits_indices = torch.from_numpy(step.query_start_loc[1:][step.sample_indices] - 1).to(
-                self.device, non_blocking=True)
-            logits = self.model.compute_logits(hidden_states[logits_indices])
+            logits = self.compute_sample_logits(step, hidden_states)
             out = self.sampler(logits, self._sampling_metadata(sample_states, logits.shape[-1]))
             batch.set_sampled_on_device(sample_states, out.sampled_token_ids)
             pending.set_sampled(step.sample_indices, sample_states, out)
         return pending if non_block else pending.result()
+
+    def compute_sample_logits(self, step: StepInputs, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits ``[S, V]`` float32 of the last token of each sampling request
+        (``step.sample_indices``). Extension point: a runner whose graph already computed them
+        returns those."""
+        assert self.model is not None
+        # non_blocking: a blocking copy would make the host wait for the forward pass here
+        logits_indices = torch.from_numpy(step.query_start_loc[1:][step.sample_indices] - 1).to(
+            self.device, non_blocking=True)
+        return self.model.compute_logits(hidden_states[logits_indices])
 
     def _sampling_metadata(self, sample_states: list, vocab_size: int) -> SamplingMetadata:
         """The sampling metadata of these rows, rebuilt only when the rows change.
