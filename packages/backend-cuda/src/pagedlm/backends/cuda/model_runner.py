@@ -1,6 +1,6 @@
 """``CudaModelRunner``: persistent device input buffers, CUDA-graph decode, a profiling run.
 
-Per step the host work is three pinned host-to-device copies (token data, request data, block
+Per step the host work is two pinned host-to-device copies (the packed step data, and the block
 table) into buffers that live as long as the runner; nothing else is allocated for the inputs.
 Decode-only steps (every request has one new token) of at most ``max_capture_size`` requests
 replay a CUDA graph captured at start-up for the next larger captured batch size: the padded
@@ -8,11 +8,13 @@ requests have one token each, a slot of -1 (their K/V are not stored) and a cont
 token, so their rows are computed and ignored. Everything else (prefill chunks, mixed batches,
 larger batches) runs eagerly through the same buffers. ``enforce_eager=True`` turns graphs off.
 
-Buffer packing (why: one copy each, and fixed addresses per padded size for graph replay):
-token data ``input_ids | positions | slot_mapping`` int64, each segment ``n`` long and starting
-at a multiple of ``_tok_stride(n)``; request data ``query_start_loc (b + 1) | seq_lens (b)``
-int32 likewise; and the block table ``[max_num_seqs, max_blocks_per_req]`` int32 whose row
-stride never changes. Segments start on 64-byte boundaries because Triton specialises kernels on
+Buffer packing (why: one copy, and fixed addresses per padded size for graph replay): one int64
+buffer holds the token data ``input_ids | positions | slot_mapping``, each segment ``n`` long and
+starting at a multiple of ``_tok_stride(n)``; then the request data ``query_start_loc (b + 1) |
+seq_lens (b)`` as int32 (segments at multiples of ``_req_stride(b)``); then, for async
+scheduling, the positions in ``input_ids`` of tokens still on the device and their rows in the
+last sampled tensor. The block table ``[max_num_seqs, max_blocks_per_req]`` int32 is apart: its
+row stride never changes. Segments start on 64-byte boundaries because Triton specialises kernels on
 16-byte pointer alignment: unaligned views would compile a second variant of every kernel in
 the middle of a run.
 """
@@ -67,10 +69,10 @@ class CudaModelRunner(ModelRunner):
         self.max_num_tokens = max(int(sc.max_num_batched_tokens or 8192), self.max_num_reqs)
         self.max_blocks = self.input_batch.max_blocks_per_req
         on_cuda = device.type == "cuda"
-        tok_len = 3 * _tok_stride(self.max_num_tokens)
-        req_len = 2 * _req_stride(self.max_num_reqs)
-        self._token_buf = torch.zeros(tok_len, dtype=torch.int64, device=device)
-        self._req_buf = torch.zeros(req_len, dtype=torch.int32, device=device)
+        step_len = 3 * _tok_stride(self.max_num_tokens) + _req_stride(self.max_num_reqs) \
+            + 2 * _tok_stride(self.max_num_reqs)
+        self._step_buf = torch.zeros(step_len, dtype=torch.int64, device=device)
+        self._fed = (self._step_buf[:0], self._step_buf[:0])  # this step's (fed positions, sample rows)
         self.block_table = torch.zeros(self.max_num_reqs, self.max_blocks, dtype=torch.int32, device=device)
         # NOTE: two sets of pinned staging buffers, used in turn: with async scheduling the host
         # stages step N+1 while the copies of step N may still be queued behind the device's
@@ -78,11 +80,14 @@ class CudaModelRunner(ModelRunner):
         # step after next may: its inputs are staged after the engine waited for step N's tokens,
         # which the device produced after step N's copies.)
         self._staging = [
-            tuple(torch.zeros(n, dtype=dt, pin_memory=on_cuda) for n, dt in
-                  ((tok_len, torch.int64), (req_len, torch.int32), (self.max_num_reqs * self.max_blocks, torch.int32)))
+            (torch.zeros(step_len, dtype=torch.int64, pin_memory=on_cuda),
+             torch.zeros(self.max_num_reqs * self.max_blocks, dtype=torch.int32, pin_memory=on_cuda))
             for _ in range(2)
         ]
         self._num_staged = 0
+        self._sampled_host = [torch.zeros(self.max_num_reqs, dtype=torch.int64, pin_memory=on_cuda) for _ in range(2)]
+        self._copy_events = [torch.cuda.Event() for _ in range(2)] if on_cuda else []
+        self._num_copies = 0
 
         self.use_graphs = (on_cuda and not vllm_config.enforce_eager) or self.emulate_graphs
         self.capture_sizes = default_capture_sizes(self.max_num_reqs)
@@ -111,12 +116,15 @@ class CudaModelRunner(ModelRunner):
         """Write one step's inputs (``num_tokens``/``num_reqs`` after padding) into the buffers.
 
         ``step=None`` stages an all-padding decode batch (graph capture)."""
-        token_host, req_host, bt_host = self._staging[self._num_staged % 2]
+        step_host, bt_host = self._staging[self._num_staged % 2]
         self._num_staged += 1
-        t = token_host.numpy()
-        r = req_host.numpy()
+        t = step_host.numpy()
         ts, rs = _tok_stride(num_tokens), _req_stride(num_reqs)
-        real_t = real_b = 0
+        req_at = 3 * ts  # int64 offset of the request data; int32 offset 2 * req_at
+        r = t[req_at : req_at + rs].view(np.int32)
+        req_buf = self._step_buf[req_at : req_at + rs].view(torch.int32)
+        req_host = step_host[req_at : req_at + rs].view(torch.int32)
+        real_t = real_b = num_fed = 0
         r[0] = 0
         if step is not None:
             real_t, real_b = len(step.input_ids), len(step.req_ids)
@@ -125,14 +133,23 @@ class CudaModelRunner(ModelRunner):
             t[2 * ts : 2 * ts + real_t] = step.slot_mapping
             r[: real_b + 1] = step.query_start_loc
             r[rs : rs + real_b] = step.seq_lens
+            num_fed = len(step.fed_token_indices)
         if num_tokens > real_t:  # padded requests: one token each, nothing stored, context 1
             t[real_t:num_tokens] = 0
             t[ts + real_t : ts + num_tokens] = 0
             t[2 * ts + real_t : 2 * ts + num_tokens] = -1
             r[real_b + 1 : num_reqs + 1] = np.arange(real_t + 1, real_t + 1 + num_reqs - real_b)
             r[rs + real_b : rs + num_reqs] = 1
-        self._token_buf[: 3 * ts].copy_(token_host[: 3 * ts], non_blocking=True)
-        self._req_buf[: 2 * rs].copy_(req_host[: 2 * rs], non_blocking=True)
+        end = req_at + rs
+        if num_fed:
+            fs = _tok_stride(num_fed)
+            t[end : end + num_fed] = step.fed_token_indices  # type: ignore[union-attr]
+            t[end + fs : end + fs + num_fed] = step.fed_sample_indices  # type: ignore[union-attr]
+            self._fed = (self._step_buf[end : end + num_fed], self._step_buf[end + fs : end + fs + num_fed])
+            end += 2 * fs
+        else:
+            self._fed = (self._step_buf[:0], self._step_buf[:0])
+        self._step_buf[:end].copy_(step_host[:end], non_blocking=True)
         max_seq_len = self.max_model_len
         max_query_len = 1
         if step is not None and real_b:
@@ -143,13 +160,13 @@ class CudaModelRunner(ModelRunner):
             max_seq_len = int(step.seq_lens.max())
             max_query_len = int(step.num_scheduled.max())
         return CommonAttentionMetadata(
-            query_start_loc=self._req_buf[: num_reqs + 1],
+            query_start_loc=req_buf[: num_reqs + 1],
             query_start_loc_cpu=req_host[: num_reqs + 1],
-            seq_lens=self._req_buf[rs : rs + num_reqs],
+            seq_lens=req_buf[rs : rs + num_reqs],
             seq_lens_cpu=req_host[rs : rs + num_reqs],
             num_computed_tokens_cpu=torch.from_numpy(step.num_computed) if step is not None else torch.zeros(0),
             block_table=self.block_table[:num_reqs],
-            slot_mapping=self._token_buf[2 * ts : 2 * ts + num_tokens],
+            slot_mapping=self._step_buf[2 * ts : 2 * ts + num_tokens],
             num_reqs=num_reqs,
             num_actual_tokens=num_tokens,
             max_query_len=max_query_len,
@@ -158,7 +175,7 @@ class CudaModelRunner(ModelRunner):
 
     def _ids_positions(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         ts = _tok_stride(num_tokens)
-        return self._token_buf[:num_tokens], self._token_buf[ts : ts + num_tokens]
+        return self._step_buf[:num_tokens], self._step_buf[ts : ts + num_tokens]
 
     # -- the forward pass (core hook) -------------------------------------------------------
     def run_model(self, step: StepInputs) -> torch.Tensor:
@@ -169,7 +186,7 @@ class CudaModelRunner(ModelRunner):
         if self._graphs and num_tokens == num_reqs and num_reqs <= self.max_capture_size:
             padded = int(self._pad_to[num_reqs])
             self._stage(step, padded, padded)
-            self.feed_sampled_tokens(self._token_buf[:num_tokens], step)
+            self.feed_sampled_tokens(self._step_buf[:num_tokens], step)
             replay, (hidden, logits) = self._graphs[padded]
             replay()
             self._graph_logits = logits[:num_reqs]
@@ -180,6 +197,28 @@ class CudaModelRunner(ModelRunner):
         self.feed_sampled_tokens(input_ids, step)
         with set_forward_context(metadata):
             return self.model(input_ids, positions)
+
+    def feed_sampled_tokens(self, input_ids: torch.Tensor, step: StepInputs) -> None:
+        """As the base runner's, with the indices already on the device (staged with the step)."""
+        dst, src = self._fed
+        if len(step.fed_token_indices):
+            assert len(dst) == len(step.fed_token_indices), "feed_sampled_tokens before _stage"
+            sampled = self.input_batch.sampled_on_device
+            assert sampled is not None
+            input_ids.index_copy_(0, dst, sampled.index_select(0, src))
+
+    def copy_to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+        """Into one of two pinned buffers, used in turn (a step's tokens are read before the
+        step after next copies), with one of two reusable events."""
+        if self.device.type != "cuda":
+            return super().copy_to_host(tensor)
+        k = self._num_copies % 2
+        self._num_copies += 1
+        host = self._sampled_host[k][: tensor.numel()]
+        host.copy_(tensor, non_blocking=True)
+        event = self._copy_events[k]
+        event.record()
+        return host, event
 
     def compute_sample_logits(self, step: StepInputs, hidden_states: torch.Tensor) -> torch.Tensor:
         if self._graph_logits is not None and len(step.sample_indices) == len(step.req_ids):
@@ -198,7 +237,7 @@ class CudaModelRunner(ModelRunner):
             return
         n = self.max_num_tokens
         input_ids, positions = self._ids_positions(n)
-        self._token_buf.zero_()
+        self._step_buf.zero_()
         start = time.perf_counter()
         with set_forward_context(None):
             hidden = self.model(input_ids, positions)

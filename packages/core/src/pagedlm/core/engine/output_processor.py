@@ -43,7 +43,10 @@ class _RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.sequences.values())
+        for seq in self.sequences.values():  # a loop, not all(genexpr): this runs per request per step
+            if seq.finish_reason is None:
+                return False
+        return True
 
 
 class OutputProcessor:

@@ -279,12 +279,17 @@ class Scheduler:
             prompt_logprobs = all_prompt_logprobs.get(req_id) if all_prompt_logprobs else None
             if not token_ids and prompt_logprobs is None:
                 continue
-            new_token_ids: list[int] = []
-            for token_id in token_ids:
-                request.append_output_token_ids([token_id])
-                new_token_ids.append(token_id)
-                if self._check_stop(request, token_id):
-                    break
+            if len(token_ids) == 1:  # the common case: one token, no list to build
+                new_token_ids = token_ids
+                request.append_output_token_ids(token_ids)
+                self._check_stop(request, token_ids[0])
+            else:
+                new_token_ids = []
+                for token_id in token_ids:
+                    request.append_output_token_ids([token_id])
+                    new_token_ids.append(token_id)
+                    if self._check_stop(request, token_id):
+                        break
             logprobs = all_logprobs.get(req_id) if all_logprobs else None
             if logprobs is not None and len(new_token_ids) < len(token_ids):
                 logprobs = tuple(x[: len(new_token_ids)] for x in logprobs)
