@@ -126,3 +126,30 @@ def test_cuda_platform_description():
     assert platform.get_model_runner_cls(VllmConfig()) == "pagedlm.backends.cuda.model_runner:CudaModelRunner"
     explicit = VllmConfig(cache_config=CacheConfig(kv_cache_memory_bytes=4096))
     assert platform.kv_cache_memory_bytes(explicit, torch.device("cuda", 0)) == 4096
+
+
+@pytest.mark.parametrize(("name", "gib", "usage", "expected"), [
+    ("NVIDIA H200", 141, "llm", 16384),
+    ("NVIDIA H200", 141, "server", None),
+    ("NVIDIA A100-SXM4-80GB", 80, "llm", None),
+    ("NVIDIA L4", 24, "llm", None),
+])
+def test_cuda_default_token_budget_follows_the_device(monkeypatch, name, gib, usage, expected):
+    from types import SimpleNamespace
+
+    from pagedlm.backends.cuda.platform import CudaPlatform
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(name=name, total_memory=gib * 2**30))
+    assert CudaPlatform().default_max_num_batched_tokens(usage) == expected
+    assert CudaPlatform().supports_async_scheduling and not CpuPlatform().supports_async_scheduling
+
+
+def test_cpu_defaults_keep_the_engine_budget(tiny_llama):
+    from pagedlm.core import LLM
+
+    llm = LLM(model=tiny_llama, device="cpu")
+    sc = llm.vllm_config.scheduler_config
+    assert (sc.max_num_batched_tokens, sc.async_scheduling, llm.vllm_config.usage_context) == (8192, False, "llm")

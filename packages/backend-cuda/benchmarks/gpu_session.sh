@@ -54,6 +54,10 @@ if has nano-sync; then  # the same without async scheduling: what overlapping ho
   stage nano-sync 240 $BENCH --workload nano --no-async-scheduling --output-json "$OUT/nano-sync.json"
   summary "$OUT/nano-sync.json"
 fi
+if has nano-8192; then  # the engine's generic token budget instead of the H200 default (16384)
+  stage nano-8192 240 $BENCH --workload nano --max-num-batched-tokens 8192 --output-json "$OUT/nano-8192.json"
+  summary "$OUT/nano-8192.json"
+fi
 if has nano-spy; then  # where the host's time goes (py-spy from .whl/; sampling, so timings hold)
   stage nano-spy 240 py-spy record -r 250 -f raw -o "$OUT/nano-spy.txt" -- \
     python3 -m pagedlm.core.cli bench throughput --model-config qwen3-0.6b --load-format dummy --workload nano
@@ -87,5 +91,6 @@ fi
 if has fixed; then
   stage fixed 180 $BENCH --workload fixed --num-prompts 256 --input-len 512 --output-len 512 \
     --output-json "$OUT/fixed.json"
+  summary "$OUT/fixed.json"
 fi
 echo "=== $(date +%T) done"

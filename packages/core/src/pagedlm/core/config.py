@@ -328,6 +328,9 @@ class VllmConfig:
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     attention_backend: str | None = None
     enforce_eager: bool = False
+    #: who drives the engine: "llm" (offline batches: throughput) or "server" (online: latency);
+    #: platforms pick defaults by it (``Platform.default_max_num_batched_tokens``)
+    usage_context: str = "llm"
     # Extra knobs for third-party plugins, namespaced by plugin name.
     additional_config: dict[str, Any] = field(default_factory=dict)
 
@@ -349,6 +352,9 @@ class VllmConfig:
             raise ValueError(f"load_format={load_format!r} cannot read the GGUF file {mc.model}; use auto or gguf")
         elif load_format == "gguf" and not mc.is_gguf:
             raise ValueError(f'load_format="gguf" needs model=FILE.gguf; got model={mc.model!r}')
+        sc = self.scheduler_config
+        if sc.max_num_batched_tokens is None and sc.enable_chunked_prefill:
+            sc.max_num_batched_tokens = platform.default_max_num_batched_tokens(self.usage_context)
         if mc.hf_config is not None:
             mc.resolve_dtype(platform.default_dtype, platform.supported_dtypes)
             self.scheduler_config.finalize(int(mc.max_model_len or 2048))

@@ -42,6 +42,10 @@ logger = init_logger(__name__)
 __all__ = ["CudaModelRunner", "default_capture_sizes"]
 
 
+#: most block-table entries a step stages as whole rows (1 MiB of int32)
+_FULL_ROWS_MAX = 1 << 18
+
+
 def _tok_stride(n: int) -> int:
     return -(-n // 8) * 8  # int64 elements: 64 bytes
 
@@ -153,10 +157,17 @@ class CudaModelRunner(ModelRunner):
         max_seq_len = self.max_model_len
         max_query_len = 1
         if step is not None and real_b:
-            nb = step.block_table.shape[1]
-            staged = bt_host[: real_b * nb].view(real_b, nb)
-            staged.numpy()[:] = step.block_table
-            self.block_table[:real_b, :nb].copy_(staged, non_blocking=True)
+            if real_b * self.max_blocks <= _FULL_ROWS_MAX:
+                # Whole rows: one contiguous copy (a strided one costs a device-side kernel too).
+                nb = self.max_blocks
+                staged = bt_host[: real_b * nb].view(real_b, nb)
+                np.take(self.input_batch.block_table, step.rows, axis=0, out=staged.numpy())
+                self.block_table[:real_b].copy_(staged, non_blocking=True)
+            else:
+                nb = step.block_table.shape[1]
+                staged = bt_host[: real_b * nb].view(real_b, nb)
+                staged.numpy()[:] = step.block_table
+                self.block_table[:real_b, :nb].copy_(staged, non_blocking=True)
             max_seq_len = int(step.seq_lens.max())
             max_query_len = int(step.num_scheduled.max())
         return CommonAttentionMetadata(

@@ -68,6 +68,8 @@ class AsyncLLM:
         a throughput line every ``log_interval_s`` seconds while busy.
         """
         self.vllm_config = vllm_config
+        # Online serving: platform defaults favour latency (e.g. smaller prefill chunks).
+        vllm_config.usage_context = "server"
         mc = vllm_config.model_config
         if mc.hf_config is None:
             raise ValueError("no model given: pass model=DIR (a local HF model directory)")

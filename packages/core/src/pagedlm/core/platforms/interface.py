@@ -37,6 +37,11 @@ class Platform:
         ``pagedlm.core.worker.model_runner.ModelRunner``, constructed as ``Cls(vllm_config, device)``)."""
         return "pagedlm.core.worker.model_runner:ModelRunner"
 
+    def default_max_num_batched_tokens(self, usage_context: str) -> int | None:
+        """The per-step token budget when the user sets none, for ``usage_context`` ``"llm"``
+        (offline) or ``"server"``; None keeps the engine's default (8192)."""
+        return None
+
     def check_and_update_config(self, vllm_config: VllmConfig) -> None:
         """Validate or adjust the config for this platform (block size, dtype, graphs)."""
 

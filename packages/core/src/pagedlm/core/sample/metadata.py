@@ -25,6 +25,7 @@ import torch
 from pagedlm.core.sampling_params import SamplingParams
 
 _SAMPLING_EPS = 1e-5
+_NONE = torch.empty(0, dtype=torch.float32)
 
 
 @dataclass
@@ -43,9 +44,9 @@ class SamplingMetadata:
         generators: row index -> per-request ``torch.Generator`` (seeded requests only).
         max_num_logprobs: largest ``logprobs`` of any row; ``None`` when no row wants logprobs.
         no_penalties: no row has a presence/frequency/repetition penalty.
-        presence_penalties: ``[B]`` float32.
-        frequency_penalties: ``[B]`` float32.
-        repetition_penalties: ``[B]`` float32.
+        presence_penalties: ``[B]`` float32 (empty when ``no_penalties``).
+        frequency_penalties: ``[B]`` float32 (empty when ``no_penalties``).
+        repetition_penalties: ``[B]`` float32 (empty when ``no_penalties``).
         prompt_token_ids: ``[B, max_prompt_len]`` int64 padded with ``vocab_size``; ``None``
             when ``no_penalties``.
         output_token_ids: per row, the tokens generated so far (host lists: they grow every
@@ -155,9 +156,10 @@ def build_sampling_metadata(
         generators=dict(generators or {}),
         max_num_logprobs=max(logprobs) if logprobs else None,
         no_penalties=no_penalties,
-        presence_penalties=f32(presence),
-        frequency_penalties=f32(frequency),
-        repetition_penalties=f32(repetition),
+        # NOTE: unused without penalties; skipping them saves three host-to-device copies.
+        presence_penalties=_NONE if no_penalties else f32(presence),
+        frequency_penalties=_NONE if no_penalties else f32(frequency),
+        repetition_penalties=_NONE if no_penalties else f32(repetition),
         prompt_token_ids=prompt_tensor,
         output_token_ids=list(output_token_ids),
         min_tokens=min_tokens,

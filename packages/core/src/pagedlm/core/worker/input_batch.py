@@ -146,16 +146,23 @@ class InputBatch:
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         req_ids = list(sched.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
-        num_scheduled = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(states))
-        num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
-        query_start_loc = np.zeros(len(states) + 1, dtype=np.int64)
+        num_reqs = len(states)
+        # One pass over the states for every per-request number (this runs every step).
+        per_req = np.array([(s.row, s.num_computed_tokens, s.num_tokens, s.num_pending) for s in states],
+                           dtype=np.int64).reshape(num_reqs, 4)
+        rows, num_computed, num_known, num_pending = np.ascontiguousarray(per_req.T)
+        num_scheduled = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
         total = int(query_start_loc[-1])
-        # Per flat token: which request (batch index) it belongs to and its offset in the chunk.
-        token_req = np.repeat(np.arange(len(states)), num_scheduled)
-        offsets = np.arange(total) - query_start_loc[:-1][token_req]
-        positions = num_computed[token_req] + offsets
+        if total == num_reqs:  # decode only: one token per request
+            token_req = np.arange(num_reqs)
+            positions = num_computed
+        else:
+            # Per flat token: which request (batch index) it belongs to and its offset in the chunk.
+            token_req = np.repeat(np.arange(num_reqs), num_scheduled)
+            offsets = np.arange(total) - query_start_loc[:-1][token_req]
+            positions = num_computed[token_req] + offsets
         token_rows = rows[token_req]
         input_ids = self.token_ids[token_rows, positions]
         seq_lens = num_computed + num_scheduled
@@ -163,10 +170,8 @@ class InputBatch:
         block_table = self.block_table[rows, :max_blocks]
         block_ids = self.block_table[token_rows, positions // self.block_size].astype(np.int64)
         slot_mapping = block_ids * self.block_size + positions % self.block_size
-        num_known = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
         fed_token_indices = fed_sample_indices = _EMPTY
-        if any(s.num_pending for s in states):
-            num_pending = np.fromiter((s.num_pending for s in states), dtype=np.int64, count=len(states))
+        if num_pending.any():
             sample_indices = np.nonzero(seq_lens >= num_known + num_pending)[0]
             # NOTE: at most one token per request is in flight (the engine takes a step's result
             # before it runs the step after next), so only position num_known can be unknown.
