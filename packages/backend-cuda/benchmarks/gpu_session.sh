@@ -64,6 +64,9 @@ if has nano-spy; then  # where the host's time goes (py-spy from .whl/; sampling
   python3 packages/backend-cuda/benchmarks/spy_summary.py "$OUT/nano-spy.txt" --top 45 >"$OUT/nano-spy-top.txt"
   head -100 "$OUT/nano-spy-top.txt"
 fi
+if has host; then  # the engine's Python per step on this machine's CPU, model and sampler stubbed out
+  stage host 120 python3 packages/backend-cuda/benchmarks/host_overhead.py --async-scheduling
+fi
 if has nano-greedy; then
   stage nano-greedy 180 $BENCH --workload nano --temperature 0 --output-json "$OUT/nano-greedy.json"
   summary "$OUT/nano-greedy.json"
