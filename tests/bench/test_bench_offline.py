@@ -78,6 +78,16 @@ def test_throughput_reports_preemptions(tiny_llama, tmp_path):
     assert r["total_output_tokens"] == 240
 
 
+def test_throughput_profile_writes_the_top_ops(tiny_llama, tmp_path, capsys):
+    r = _run(["bench", "throughput", "--model", tiny_llama, *CPU, "--num-prompts", "4", "--input-len", "8",
+              "--output-len", "8", "--profile", str(tmp_path / "prof")], tmp_path / "p.json")
+    assert r["profile"]["directory"] == str(tmp_path / "prof") and r["profile"]["device"] == "cpu"
+    assert r["profile"]["device_time_s"] is None  # no device on the CPU
+    table = (tmp_path / "prof" / "profile-top.txt").read_text()
+    assert "aten::" in table and "Self CPU" in table
+    assert "profile-top.txt" in capsys.readouterr().out
+
+
 def test_latency(tiny_llama, tmp_path):
     r = _run(["bench", "latency", "--model", tiny_llama, *CPU, "--batch-size", "3", "--input-len", "24",
               "--output-len", "5", "--num-iters", "3", "--num-iters-warmup", "1"], tmp_path / "l.json")

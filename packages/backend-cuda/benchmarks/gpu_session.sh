@@ -71,11 +71,9 @@ if has nano-greedy; then
   stage nano-greedy 180 $BENCH --workload nano --temperature 0 --output-json "$OUT/nano-greedy.json"
   summary "$OUT/nano-greedy.json"
 fi
-if has nano-profile; then
-  stage nano-profile 240 python3 -m cProfile -o "$OUT/nano.prof" -m pagedlm.core.cli bench throughput \
-    --model-config qwen3-0.6b --load-format dummy --workload nano
-  python3 -c "import pstats; pstats.Stats('$OUT/nano.prof').sort_stats('tottime').print_stats(25)" \
-    >"$OUT/nano-profile-top.txt" 2>&1; head -60 "$OUT/nano-profile-top.txt"
+if has nano-profile; then  # torch.profiler: device busy time against wall time, top kernels
+  stage nano-profile 240 $BENCH --workload nano --profile "$OUT/nano-profile" --output-json "$OUT/nano-profile.json"
+  head -45 "$OUT/nano-profile/profile-top.txt"
 fi
 if has kernel-bench; then
   stage kernel-bench 180 python3 packages/backend-cuda/benchmarks/bench_attention.py --output-json "$OUT/kernel.json"

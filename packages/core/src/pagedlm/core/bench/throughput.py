@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from pagedlm.core.bench import common
+from pagedlm.core.bench.profile import profiled
 from pagedlm.core.bench.timeline import StepRecorder, write_timelines
 from pagedlm.core.bench.workloads import add_workload_options, workload_from_args
 
@@ -26,6 +27,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="attn_implementation for --compare hf (e.g. paged|sdpa, paged|flash_attention_2, sdpa)")
     p.add_argument("--kv-timeline", default=None, metavar="FILE.png",
                    help="plot KV-cache blocks, requests and tokens per engine step (samples go to FILE.json)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="run the timed batch under torch.profiler; DIR gets the top ops and device time "
+                        "(profiling slows the host: compare device times, not throughput)")
     common.add_engine_options(p)
     p.set_defaults(func=run)
 
@@ -64,9 +68,10 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     params = workload.sampling_params()
     recorder.restart_clock()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    with profiled(args.profile, engine["device"]) as profile_summary:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
     recorder.finish(llm)
     num_in = sum(len(o.prompt_token_ids) for o in outputs)
     num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -91,6 +96,8 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
         "prefix_cached_tokens": sum(o.num_cached_tokens for o in outputs),
         "steps": steps,
     }
+    if profile_summary:
+        result["profile"] = profile_summary
     if args.kv_timeline:
         title = (f"pagedlm bench throughput: {engine['model']} ({engine['device']}, {engine['dtype']}), "
                  f"workload {workload.name} x{workload.num_requests}\n{engine['num_blocks']:,} blocks x "
@@ -170,4 +177,11 @@ def _print(r: dict[str, Any]) -> None:
                                       f"{hf['attn_implementation']})")]
     if "kv_timeline" in r:
         rows.append(("KV timeline", f"{r['kv_timeline']['png']} (+ {r['kv_timeline']['json']})"))
+    if "profile" in r:
+        prof = r["profile"]
+        busy = "" if prof["device_time_s"] is None else \
+            f": device busy {prof['device_time_s']:.2f} s of {r['elapsed_s']:.2f} s (profiled run)"
+        rows.append(("profile", f"{prof['directory']}/profile-top.txt{busy}"))
+        rows += [(f"  {op['name'][:40]}", f"{op['device_time_s']:.3f} s, {op['calls']} calls")
+                 for op in prof["top_device_ops"][:8]]
     common.print_table("pagedlm bench throughput", rows)
