@@ -23,6 +23,7 @@ def profiled(directory: str | None, device: str) -> Iterator[dict[str, Any]]:
         yield summary
         return
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -36,8 +37,10 @@ def profiled(directory: str | None, device: str) -> Iterator[dict[str, Any]]:
     table = events.table(sort_by=sort_key, row_limit=40)
     with open(os.path.join(directory, "profile-top.txt"), "w", encoding="utf-8") as f:
         f.write(table + "\n")
+    # NOTE: only device-side events (kernels, copies): an aten op's row repeats its kernels' time.
     kernels = sorted(
-        ((e.key, e.self_device_time_total / 1e6, e.count) for e in events if e.self_device_time_total > 0),
+        ((e.key, e.self_device_time_total / 1e6, e.count) for e in events
+         if e.self_device_time_total > 0 and e.device_type == DeviceType.CUDA),
         key=lambda k: -k[1],
     )
     summary.update({
