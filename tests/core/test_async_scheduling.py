@@ -28,7 +28,7 @@ def test_default_is_off_on_the_cpu_and_on_needs_one_process(tiny_llama):
     llm = LLM(model=tiny_llama, dtype="float32", device="cpu")
     assert llm.vllm_config.scheduler_config.async_scheduling is False
     assert llm.llm_engine.core.batch_queue is None
-    with pytest.raises(ValueError, match=r"async_scheduling=True needs the in-process executor.*tensor_parallel_size=2"):
+    with pytest.raises(ValueError, match=r"async_scheduling=True needs the in-process .*tensor_parallel_size=2"):
         LLM(model=tiny_llama, dtype="float32", device="cpu", async_scheduling=True, tensor_parallel_size=2)
 
 

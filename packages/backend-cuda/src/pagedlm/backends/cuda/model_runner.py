@@ -218,7 +218,7 @@ class CudaModelRunner(ModelRunner):
             assert sampled is not None
             input_ids.index_copy_(0, dst, sampled.index_select(0, src))
 
-    def copy_to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+    def copy_to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Into one of two pinned buffers, used in turn (a step's tokens are read before the
         step after next copies), with one of two reusable events."""
         if self.device.type != "cuda":

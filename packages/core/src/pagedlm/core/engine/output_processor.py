@@ -43,7 +43,8 @@ class _RequestState:
 
     @property
     def finished(self) -> bool:
-        for seq in self.sequences.values():  # a loop, not all(genexpr): this runs per request per step
+        # NOTE: a loop, not all(genexpr): this runs for every request in every step.
+        for seq in self.sequences.values():  # noqa: SIM110
             if seq.finish_reason is None:
                 return False
         return True

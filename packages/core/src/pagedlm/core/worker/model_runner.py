@@ -12,7 +12,13 @@ from pagedlm.core.distributed import get_pp_group, pp_forward
 from pagedlm.core.forward_context import set_forward_context
 from pagedlm.core.logger import init_logger
 from pagedlm.core.model_loader import load_model
-from pagedlm.core.sample import Sampler, SamplingMetadata, build_sampling_metadata, compute_topk_logprobs
+from pagedlm.core.sample import (
+    LogprobsTensors,
+    Sampler,
+    SamplingMetadata,
+    build_sampling_metadata,
+    compute_topk_logprobs,
+)
 from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedlm.core.worker.input_batch import InputBatch, StepInputs
 
@@ -24,26 +30,34 @@ LogprobsLists = tuple[list[list[int]], list[list[float]], list[int]]
 class AsyncModelRunnerOutput:
     """A step whose sampled tokens may still be on the device; ``result()`` brings them back.
 
+    ``token_ids_host`` ``[S]`` is the destination of a device-to-host copy already queued, and
+    ``event`` (if any) completes with it; row ``j`` belongs to ``sample_states[j]``, which sits at
+    ``sample_indices[j]`` of the step's ``req_ids``.
+
     NOTE: results must be taken in step order: ``result()`` appends each token to its request's
-    host state, which the step after next reads.
+    host state (``input_batch``), which the step after next reads.
     """
 
-    def __init__(self, runner: ModelRunner, req_ids: list[str], prompt_logprobs: dict[str, LogprobsLists]) -> None:
-        self._runner = runner
+    def __init__(self, req_ids: list[str], prompt_logprobs: dict[str, LogprobsLists], *,
+                 input_batch: InputBatch | None = None, sample_indices: np.ndarray | None = None,
+                 sample_states: list | None = None, token_ids_host: torch.Tensor | None = None,
+                 event: torch.cuda.Event | None = None, logprobs: LogprobsTensors | None = None) -> None:
         self.req_ids = req_ids
         self._prompt_logprobs = prompt_logprobs
-        self._sample_indices: np.ndarray | None = None
-        self._sample_states: list = []
-        self._token_ids_host: torch.Tensor | None = None
-        self._logprobs = None
-        self._event = None
+        self._input_batch = input_batch
+        self._sample_indices = sample_indices
+        self._sample_states = sample_states or []
+        self._token_ids_host = token_ids_host
+        self._event = event
+        self._logprobs = logprobs
         self._output: ModelRunnerOutput | None = None
 
-    def set_sampled(self, sample_indices: np.ndarray, sample_states: list, out) -> None:
-        self._sample_indices = sample_indices
-        self._sample_states = sample_states
-        self._logprobs = out.logprobs_tensors
-        self._token_ids_host, self._event = self._runner.copy_to_host(out.sampled_token_ids)
+    @classmethod
+    def ready(cls, output: ModelRunnerOutput) -> AsyncModelRunnerOutput:
+        """An output that is already on the host."""
+        pending = cls(output.req_ids, output.prompt_logprobs)
+        pending._output = output
+        return pending
 
     def result(self) -> ModelRunnerOutput:
         if self._output is not None:
@@ -55,8 +69,8 @@ class AsyncModelRunnerOutput:
                 self._event.synchronize()
             token_ids = self._token_ids_host.tolist()  # the one device-to-host copy of the step
             lp = self._logprobs.tolists() if self._logprobs is not None else None
-            batch = self._runner.input_batch
-            assert self._sample_indices is not None
+            batch = self._input_batch
+            assert batch is not None and self._sample_indices is not None
             for j, (i, state) in enumerate(zip(self._sample_indices, self._sample_states)):
                 sampled[i] = [token_ids[j]]
                 batch.append_sampled(state, token_ids[j])
@@ -65,16 +79,12 @@ class AsyncModelRunnerOutput:
                     logprobs[state.req_id] = ([lp[0][j][: k + 1]], [lp[1][j][: k + 1]], [lp[2][j]])
         self._output = ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
                                          prompt_logprobs=self._prompt_logprobs)
-        self._runner = None  # type: ignore[assignment]
+        self._input_batch = None  # the step is done with the batch's state
         return self._output
 
 
 def _done(output: ModelRunnerOutput, non_block: bool) -> ModelRunnerOutput | AsyncModelRunnerOutput:
-    if not non_block:
-        return output
-    pending = AsyncModelRunnerOutput(None, output.req_ids, output.prompt_logprobs)  # type: ignore[arg-type]
-    pending._output = output
-    return pending
+    return AsyncModelRunnerOutput.ready(output) if non_block else output
 
 
 class ModelRunner:
@@ -150,13 +160,17 @@ class ModelRunner:
 
         states = [batch.requests[r] for r in step.req_ids]
         prompt_logprobs = self._prompt_logprobs(step, states, hidden_states)
-        pending = AsyncModelRunnerOutput(self, step.req_ids, prompt_logprobs)
-        if len(step.sample_indices):
-            sample_states = [states[i] for i in step.sample_indices]
-            logits = self.compute_sample_logits(step, hidden_states)
-            out = self.sampler(logits, self._sampling_metadata(sample_states, logits.shape[-1]))
-            batch.set_sampled_on_device(sample_states, out.sampled_token_ids)
-            pending.set_sampled(step.sample_indices, sample_states, out)
+        if not len(step.sample_indices):
+            return _done(ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=[[] for _ in step.req_ids],
+                                           prompt_logprobs=prompt_logprobs), non_block)
+        sample_states = [states[i] for i in step.sample_indices]
+        logits = self.compute_sample_logits(step, hidden_states)
+        out = self.sampler(logits, self._sampling_metadata(sample_states, logits.shape[-1]))
+        batch.set_sampled_on_device(sample_states, out.sampled_token_ids)
+        token_ids_host, event = self.copy_to_host(out.sampled_token_ids)
+        pending = AsyncModelRunnerOutput(
+            step.req_ids, prompt_logprobs, input_batch=batch, sample_indices=step.sample_indices,
+            sample_states=sample_states, token_ids_host=token_ids_host, event=event, logprobs=out.logprobs_tensors)
         return pending if non_block else pending.result()
 
     def compute_sample_logits(self, step: StepInputs, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -221,7 +235,7 @@ class ModelRunner:
         assert sampled is not None
         input_ids.index_copy_(0, dst, sampled.index_select(0, src))
 
-    def copy_to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+    def copy_to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Start copying ``tensor`` to the host without waiting; returns (host tensor, event to
         wait on before reading it, or None when it is readable at once)."""
         if self.device.type != "cuda":
