@@ -285,7 +285,7 @@ class CudaModelRunner(ModelRunner):
                 # one launch fewer per step, and no per-step allocation of [B, V] floats.
                 with set_forward_context(metadata):
                     hidden = self.model(input_ids, positions)  # type: ignore[misc]
-                return hidden, self.model.compute_logits(hidden)  # type: ignore[union-attr]
+                return hidden, self.model.compute_logits(hidden)  # type: ignore[union-attr, operator]
 
             self._graphs[size] = self._capture(forward, pool)
         if self.device.type == "cuda":
