@@ -115,6 +115,33 @@ def test_rotary(device, fused, dtype, neox, partial):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize(("head", "partial"), [(64, 1.0), (64, 0.5), (128, 1.0)])
+def test_qk_norm_rotary(device, fused, dtype, neox, head, partial):
+    """Qwen3's per-head q/k RMSNorm and rotary in one kernel against the two torch layers."""
+    from pagedlm.core.layers import RMSNorm
+    from pagedlm.core.layers.rotary import RotaryEmbedding, _default_inv_freq
+
+    rot = int(head * partial)
+    with torch.device(device):
+        rope = RotaryEmbedding(head, rot, 512, _default_inv_freq(10000.0, rot), is_neox_style=neox)
+        q_norm, k_norm = RMSNorm(head, eps=1e-6).to(dtype), RMSNorm(head, eps=1e-6).to(dtype)
+    q_norm.weight.data.normal_(1.0, 0.2)
+    k_norm.weight.data.normal_(1.0, 0.2)
+    positions = torch.randint(0, 512, (13,), device=device)
+    qkv = torch.randn(13, (4 + 2 + 2) * head, device=device, dtype=dtype) * 3
+    q, k = qkv[:, : 4 * head], qkv[:, 4 * head : 6 * head]  # strided views, as models pass them
+    out_q, out_k = rope.forward_qk_norm(positions, q, k, q_norm, k_norm)
+    ref_q, ref_k = reference(lambda: rope.forward_qk_norm(positions, q, k, q_norm, k_norm))
+    assert_nearly_equal(out_q, ref_q, dtype, max_mismatch=None)
+    assert_nearly_equal(out_k, ref_k, dtype, max_mismatch=None)
+    # Against the separate fused norm and rotary kernels: the same rounding steps.
+    sep_q = rope(positions, q_norm(q.reshape(13, 4, head)).reshape(13, -1),
+                 k_norm(k.reshape(13, 2, head)).reshape(13, -1))[0]
+    assert_nearly_equal(out_q, sep_q, dtype, max_mismatch=None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("inter", [128, 3072])
 def test_silu_and_mul(device, fused, dtype, inter):
     from pagedlm.core.layers import SiluAndMul

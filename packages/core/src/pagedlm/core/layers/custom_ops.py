@@ -11,6 +11,10 @@ including dtype rounding (HF-parity tests compare greedy tokens).
 - ``"rotary_embedding"``: ``fn(positions [T], query [T, Hq*D], key [T, Hk*D] | None, cos_sin_cache
   [max_pos, rotary_dim] float32, head_size, rotary_dim, is_neox_style) -> (query, key)``, new tensors
 - ``"silu_and_mul"``: ``fn(x [..., 2I]) -> [..., I]``
+- ``"qk_norm_rotary_embedding"``: ``fn(positions, query, key, q_weight [D], k_weight [D], eps,
+  cos_sin_cache, head_size, rotary_dim, is_neox_style) -> (query, key)``: every ``D``-sized head
+  of query and key RMS-normalised (``rms_norm`` of each head with its weight), then rotated
+  (``rotary_embedding``); new tensors
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 
 __all__ = ["OP_NAMES", "clear_op_impls", "get_op_impl", "register_op_impl"]
 
-OP_NAMES = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
+OP_NAMES = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "qk_norm_rotary_embedding")
 
 _IMPLS: dict[tuple[str, str], Callable[..., Any]] = {}
 

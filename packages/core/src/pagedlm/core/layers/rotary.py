@@ -108,6 +108,25 @@ class RotaryEmbedding(nn.Module):
         k = self._rotate(key, cos, sin) if key is not None else None
         return q, k
 
+    def forward_qk_norm(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMS-normalise every head of query and key (``q_norm``/``k_norm``: ``RMSNorm`` over
+        ``head_size``), then rotate them, as Qwen3 does: ``[T, H * D]`` and ``[T, Hkv * D]`` in,
+        new tensors out. A platform may do both in one kernel (``qk_norm_rotary_embedding``)."""
+        eps = q_norm.variance_epsilon
+        if _IMPLS and eps == k_norm.variance_epsilon:
+            fused = get_op_impl("qk_norm_rotary_embedding", query.device.type)
+            if fused is not None:
+                return fused(positions, query, key, q_norm.weight, k_norm.weight, eps, self.cos_sin_cache,
+                             self.head_size, self.rotary_dim, self.is_neox_style)
+        num_tokens = query.shape[0]
+        query = q_norm(query.reshape(num_tokens, -1, self.head_size)).reshape(num_tokens, -1)
+        key = k_norm(key.reshape(num_tokens, -1, self.head_size)).reshape(num_tokens, -1)
+        q, k = self.forward(positions, query, key)
+        assert k is not None
+        return q, k
+
     def extra_repr(self) -> str:
         return (
             f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, max_position={self.max_position}, "

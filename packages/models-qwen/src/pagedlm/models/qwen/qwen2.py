@@ -74,7 +74,7 @@ class Qwen2MLP(nn.Module):
 class Qwen2Attention(nn.Module):
     """``hidden [T, hidden] -> [T, hidden]``: qkv projection, rotary, paged attention, o_proj.
 
-    Subclasses change the biases and may normalise q/k in :meth:`_normalize_qk`.
+    Subclasses change the biases and may normalise q/k in :meth:`_position_qk`.
     """
 
     def _biases(self, config: Any) -> tuple[bool, bool]:
@@ -108,14 +108,14 @@ class Qwen2Attention(nn.Module):
             prefix=maybe_prefix(prefix, "attn"), sliding_window=sliding_window,
         )
 
-    def _normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return q, k
+    def _position_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``q [T, H * D]``, ``k [T, Hkv * D]`` -> rotated ``(q, k)``."""
+        return self.rotary_emb(positions, q, k)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self._normalize_qk(q, k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self._position_qk(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 

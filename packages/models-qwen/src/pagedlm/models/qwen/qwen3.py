@@ -29,12 +29,10 @@ class Qwen3Attention(Qwen2Attention):
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def _normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q [T, H * D]``, ``k [T, Hkv * D]``: normalise each ``D``-sized head independently."""
-        num_tokens = q.shape[0]
-        q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim)).reshape(num_tokens, self.q_size)
-        k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)).reshape(num_tokens, self.kv_size)
-        return q, k
+    def _position_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Normalise each ``D``-sized head of ``q [T, H * D]`` and ``k [T, Hkv * D]``, then rotate
+        (one kernel where the platform has it)."""
+        return self.rotary_emb.forward_qk_norm(positions, q, k, self.q_norm, self.k_norm)
 
 
 class Qwen3ForCausalLM(Qwen2ForCausalLM):

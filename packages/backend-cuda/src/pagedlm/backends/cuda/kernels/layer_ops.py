@@ -88,9 +88,9 @@ def fused_add_rms_norm(
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, out_ptr, row_in, row_out, cos, sin, heads,
+    x_ptr, out_ptr, row_in, row_out, cos, sin, heads, w_ptr, eps,
     HEAD_SIZE: tl.constexpr, ROT_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
-    PASS_PAD: tl.constexpr, NEOX: tl.constexpr,
+    PASS_PAD: tl.constexpr, NEOX: tl.constexpr, QK_NORM: tl.constexpr,
 ):
     h = tl.arange(0, HEADS_PAD)[:, None]
     i = tl.arange(0, HALF_PAD)[None, :]
@@ -104,25 +104,44 @@ def _rotate_heads(
     x1 = tl.load(x_ptr + row_in + first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + row_in + second, mask=mask, other=0.0).to(tl.float32)
     dt = out_ptr.dtype.element_ty
+    if PASS_PAD > 0:
+        j = tl.arange(0, PASS_PAD)[None, :]
+        pmask = (h < heads) & (j < HEAD_SIZE - ROT_DIM)
+        rest = h * HEAD_SIZE + ROT_DIM + j
+        xp = tl.load(x_ptr + row_in + rest, mask=pmask, other=0.0)
+    if QK_NORM:
+        # Per-head RMSNorm first, rounded as _rms_norm_kernel (and HF) round: normalise in
+        # float32, cast to the dtype, multiply by the weight, cast again.
+        sum_sq = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)
+        if PASS_PAD > 0:
+            xpf = xp.to(tl.float32)
+            sum_sq += tl.sum(xpf * xpf, 1)
+        inv = tl.math.rsqrt(sum_sq / HEAD_SIZE + eps)[:, None]
+        w1 = tl.load(w_ptr + (first - h * HEAD_SIZE), mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + (second - h * HEAD_SIZE), mask=mask, other=0.0).to(tl.float32)
+        x1 = (w1 * (x1 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        x2 = (w2 * (x2 * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        if PASS_PAD > 0:
+            wp = tl.load(w_ptr + ROT_DIM + j, mask=j < HEAD_SIZE - ROT_DIM, other=0.0).to(tl.float32)
+            xp = (wp * (xpf * inv).to(dt).to(tl.float32)).to(dt)
     # torch computes x1*cos - x2*sin in the activation dtype: round each product, then the sum
     o1 = ((x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)).to(dt)
     o2 = ((x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)).to(dt)
     tl.store(out_ptr + row_out + first, o1, mask=mask)
     tl.store(out_ptr + row_out + second, o2, mask=mask)
     if PASS_PAD > 0:  # features past rotary_dim pass through
-        j = tl.arange(0, PASS_PAD)[None, :]
-        pmask = (h < heads) & (j < HEAD_SIZE - ROT_DIM)
-        rest = h * HEAD_SIZE + ROT_DIM + j
-        tl.store(out_ptr + row_out + rest, tl.load(x_ptr + row_in + rest, mask=pmask), mask=pmask)
+        tl.store(out_ptr + row_out + rest, xp, mask=pmask)
 
 
 @triton.jit
 def _rotary_kernel(
     pos_ptr, cos_sin_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, stride_q, stride_k, num_q_heads, num_k_heads,
+    q_w_ptr, k_w_ptr, eps,
     HEAD_SIZE: tl.constexpr, ROT_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
-    PASS_PAD: tl.constexpr, NEOX: tl.constexpr, HAS_KEY: tl.constexpr,
+    PASS_PAD: tl.constexpr, NEOX: tl.constexpr, HAS_KEY: tl.constexpr, QK_NORM: tl.constexpr,
 ):
-    """One token per program: rotate all its query heads and key heads."""
+    """One token per program: rotate all its query heads and key heads (after a per-head
+    RMSNorm with ``QK_NORM``)."""
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     i = tl.arange(0, HALF_PAD)[None, :]
@@ -132,10 +151,10 @@ def _rotary_kernel(
     cos = tl.load(cos_sin_ptr + pos * ROT_DIM + i, mask=cmask, other=0.0).to(dt).to(tl.float32)
     sin = tl.load(cos_sin_ptr + pos * ROT_DIM + ROT_DIM // 2 + i, mask=cmask, other=0.0).to(dt).to(tl.float32)
     _rotate_heads(q_ptr, q_out_ptr, token * stride_q, token * num_q_heads * HEAD_SIZE, cos, sin, num_q_heads,
-                  HEAD_SIZE, ROT_DIM, HEADS_PAD, HALF_PAD, PASS_PAD, NEOX)
+                  q_w_ptr, eps, HEAD_SIZE, ROT_DIM, HEADS_PAD, HALF_PAD, PASS_PAD, NEOX, QK_NORM)
     if HAS_KEY:
         _rotate_heads(k_ptr, k_out_ptr, token * stride_k, token * num_k_heads * HEAD_SIZE, cos, sin, num_k_heads,
-                      HEAD_SIZE, ROT_DIM, HEADS_PAD, HALF_PAD, PASS_PAD, NEOX)
+                      k_w_ptr, eps, HEAD_SIZE, ROT_DIM, HEADS_PAD, HALF_PAD, PASS_PAD, NEOX, QK_NORM)
 
 
 def rotary_embedding(
@@ -146,8 +165,11 @@ def rotary_embedding(
     head_size: int,
     rotary_dim: int,
     is_neox_style: bool,
+    qk_norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Rotary embedding of flat tokens; same contract as ``RotaryEmbedding.forward``.
+    """Rotary embedding of flat tokens; same contract as ``RotaryEmbedding.forward``. With
+    ``qk_norm_weights`` (query and key norm weights), each head is RMS-normalised first.
 
     Args:
         positions: ``[T]`` int64
@@ -167,16 +189,37 @@ def rotary_embedding(
     num_k = key.shape[1] // head_size if key is not None else 0
     assert query.stride(-1) == 1 and (key is None or key.stride(-1) == 1)
     cache = cos_sin_cache if cos_sin_cache.dtype == torch.float32 else cos_sin_cache.float()
+    norm_weights = qk_norm_weights if qk_norm_weights is not None else (query, query)
     _rotary_kernel[(num_tokens,)](
         positions, cache.contiguous(), query, key if key is not None else query, q_out,
         k_out if k_out is not None else q_out, query.stride(0), key.stride(0) if key is not None else 0,
-        num_q, num_k,
+        num_q, num_k, norm_weights[0], norm_weights[1], float(eps),
         HEAD_SIZE=head_size, ROT_DIM=rotary_dim, HEADS_PAD=triton.next_power_of_2(max(num_q, num_k)),
         HALF_PAD=triton.next_power_of_2(max(1, rotary_dim // 2)),
         PASS_PAD=triton.next_power_of_2(head_size - rotary_dim) if head_size > rotary_dim else 0,
-        NEOX=is_neox_style, HAS_KEY=key is not None, num_warps=4,
+        NEOX=is_neox_style, HAS_KEY=key is not None, QK_NORM=qk_norm_weights is not None, num_warps=4,
     )
     return q_out, k_out
+
+
+def qk_norm_rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    rotary_dim: int,
+    is_neox_style: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of query and key (weights ``[head_size]``), then rotary, in one launch:
+    the contract of ``RotaryEmbedding.forward_qk_norm`` (Qwen3's attention)."""
+    q, k = rotary_embedding(positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox_style,
+                            qk_norm_weights=(q_weight, k_weight), eps=eps)
+    assert k is not None
+    return q, k
 
 
 @triton.jit
@@ -207,10 +250,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def register_cuda_layer_ops(device_type: str = "cuda") -> None:
-    """Make core's RMSNorm, RotaryEmbedding and SiluAndMul use these kernels on ``device_type``."""
+    """Make core's RMSNorm, RotaryEmbedding (also with Qwen3's q/k norm) and SiluAndMul use
+    these kernels on ``device_type``."""
     from pagedlm.core.layers.custom_ops import register_op_impl
 
     register_op_impl("rms_norm", device_type, rms_norm)
     register_op_impl("fused_add_rms_norm", device_type, fused_add_rms_norm)
     register_op_impl("rotary_embedding", device_type, rotary_embedding)
     register_op_impl("silu_and_mul", device_type, silu_and_mul)
+    register_op_impl("qk_norm_rotary_embedding", device_type, qk_norm_rotary_embedding)
