@@ -17,7 +17,9 @@ from pagedlm.core.layers.linear import (
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
+    maybe_prefix,
 )
+from pagedlm.core.layers.mlp import QKV_GATE_UP_STACKED_PARAMS, GatedMLP
 from pagedlm.core.layers.pipeline import PPMissingLayer, is_pp_missing, make_layers, pp_layer_range
 from pagedlm.core.layers.rotary import RotaryEmbedding, get_rope
 from pagedlm.core.layers.vocab_embedding import (
@@ -31,11 +33,13 @@ __all__ = [
     "CausalLM",
     "ColumnParallelLinear",
     "DecoderModel",
+    "GatedMLP",
     "GeluAndMul",
     "LinearBase",
     "LogitsProcessor",
     "MergedColumnParallelLinear",
     "PPMissingLayer",
+    "QKV_GATE_UP_STACKED_PARAMS",
     "ParallelLMHead",
     "QKVParallelLinear",
     "RMSNorm",
@@ -52,9 +56,3 @@ __all__ = [
     "maybe_prefix",
     "pp_layer_range",
 ]
-
-
-def maybe_prefix(prefix: str, name: str) -> str:
-    """Join module-path parts: ``maybe_prefix("", "model") == "model"``,
-    ``maybe_prefix("model", "norm") == "model.norm"``."""
-    return f"{prefix}.{name}" if prefix else name

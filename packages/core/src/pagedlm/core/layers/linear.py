@@ -42,7 +42,14 @@ __all__ = [
     "ReplicatedLinear",
     "RowParallelLinear",
     "divide",
+    "maybe_prefix",
 ]
+
+
+def maybe_prefix(prefix: str, name: str) -> str:
+    """Join module-path parts: ``maybe_prefix("", "model") == "model"``,
+    ``maybe_prefix("model", "norm") == "model.norm"``."""
+    return f"{prefix}.{name}" if prefix else name
 
 
 def divide(numerator: int, denominator: int, what: str = "size") -> int:

@@ -31,13 +31,13 @@ from pagedlm.core.attention import Attention
 from pagedlm.core.config import VllmConfig
 from pagedlm.core.distributed import get_tensor_model_parallel_world_size
 from pagedlm.core.layers import (
+    QKV_GATE_UP_STACKED_PARAMS,
+    GatedMLP,
     LogitsProcessor,
-    MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    get_act_and_mul_fn,
     get_rope,
     maybe_prefix,
 )
@@ -46,14 +46,6 @@ from pagedlm.core.model_loader import default_weight_loader, load_weights_by_nam
 
 __all__ = ["Gemma3Attention", "Gemma3ForCausalLM", "Gemma3Model", "GemmaRMSNorm"]
 
-# (fused parameter, checkpoint name, shard id)
-STACKED_PARAMS = (
-    ("qkv_proj", "q_proj", "q"),
-    ("qkv_proj", "k_proj", "k"),
-    ("qkv_proj", "v_proj", "v"),
-    ("gate_up_proj", "gate_proj", 0),
-    ("gate_up_proj", "up_proj", 1),
-)
 SKIPPED_WEIGHTS = ("rotary_emb.inv_freq",)
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -114,22 +106,6 @@ def _rope(config: Any, kind: str, head_dim: int, max_position: int) -> RotaryEmb
     return get_rope(head_dim, max_position, local, is_neox_style=True)
 
 
-class Gemma3MLP(nn.Module):
-    """``x [T, hidden] -> down(gelu_tanh(gate(x)) * up(x)) [T, hidden]``."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, prefix: str) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, bias=False, prefix=maybe_prefix(prefix, "gate_up_proj")
-        )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False,
-                                           prefix=maybe_prefix(prefix, "down_proj"))
-        self.act_fn = get_act_and_mul_fn(hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
 class Gemma3Attention(nn.Module):
     """``hidden [T, hidden] -> [T, hidden]``: qkv projection, per-head q/k norm, rotary (this
     layer type's base), paged attention (windowed on local layers), o_proj."""
@@ -187,7 +163,7 @@ class Gemma3DecoderLayer(nn.Module):
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = Gemma3Attention(config, maybe_prefix(prefix, "self_attn"), layer_idx, max_position)
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) or "gelu_pytorch_tanh"
-        self.mlp = Gemma3MLP(hidden, config.intermediate_size, act, maybe_prefix(prefix, "mlp"))
+        self.mlp = GatedMLP(hidden, config.intermediate_size, act, maybe_prefix(prefix, "mlp"))
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
@@ -272,4 +248,4 @@ class Gemma3ForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # NOTE: a tied head shares the embedding Parameter; a saved copy would load it twice.
         skip = (*SKIPPED_WEIGHTS, "lm_head.weight") if self.tied else SKIPPED_WEIGHTS
-        return load_weights_by_name(self, weights, STACKED_PARAMS, skip)
+        return load_weights_by_name(self, weights, QKV_GATE_UP_STACKED_PARAMS, skip)

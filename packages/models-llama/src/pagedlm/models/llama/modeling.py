@@ -16,46 +16,21 @@ from pagedlm.core.attention import Attention
 from pagedlm.core.config import VllmConfig
 from pagedlm.core.distributed import get_tensor_model_parallel_world_size
 from pagedlm.core.layers import (
+    QKV_GATE_UP_STACKED_PARAMS,
     CausalLM,
     DecoderModel,
-    MergedColumnParallelLinear,
+    GatedMLP,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
-    get_act_and_mul_fn,
     get_rope,
     maybe_prefix,
 )
 
 __all__ = ["LlamaForCausalLM", "LlamaModel", "MistralForCausalLM"]
 
-# (fused parameter, checkpoint name, shard id)
-STACKED_PARAMS = (
-    ("qkv_proj", "q_proj", "q"),
-    ("qkv_proj", "k_proj", "k"),
-    ("qkv_proj", "v_proj", "v"),
-    ("gate_up_proj", "gate_proj", 0),
-    ("gate_up_proj", "up_proj", 1),
-)
 # Buffers some old checkpoints saved; recomputed here.
 SKIPPED_WEIGHTS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-
-
-class LlamaMLP(nn.Module):
-    """``x [T, hidden] -> down(act(gate(x)) * up(x)) [T, hidden]``."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool, prefix: str) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, bias=bias, prefix=maybe_prefix(prefix, "gate_up_proj")
-        )
-        self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, bias=bias, prefix=maybe_prefix(prefix, "down_proj")
-        )
-        self.act_fn = get_act_and_mul_fn(hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
@@ -105,9 +80,9 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, prefix: str, sliding_window: int | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, maybe_prefix(prefix, "self_attn"), sliding_window)
-        self.mlp = LlamaMLP(
+        self.mlp = GatedMLP(
             config.hidden_size, config.intermediate_size, config.hidden_act,
-            bool(getattr(config, "mlp_bias", False)), maybe_prefix(prefix, "mlp"),
+            prefix=maybe_prefix(prefix, "mlp"), bias=bool(getattr(config, "mlp_bias", False)),
         )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -138,7 +113,7 @@ class LlamaModel(DecoderModel):
 class LlamaForCausalLM(CausalLM):
     """Llama (and, through MistralForCausalLM, Mistral): a decoder body under :class:`CausalLM`'s LM head."""
 
-    stacked_params = STACKED_PARAMS
+    stacked_params = QKV_GATE_UP_STACKED_PARAMS
     skipped_weights = SKIPPED_WEIGHTS
 
     #: Mistral honours config.sliding_window; Llama has no sliding-window attention.

@@ -17,27 +17,19 @@ from pagedlm.core.attention import Attention
 from pagedlm.core.config import VllmConfig
 from pagedlm.core.distributed import get_tensor_model_parallel_world_size
 from pagedlm.core.layers import (
+    QKV_GATE_UP_STACKED_PARAMS,
     CausalLM,
     DecoderModel,
-    MergedColumnParallelLinear,
+    GatedMLP,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
-    get_act_and_mul_fn,
     get_rope,
     maybe_prefix,
 )
 
 __all__ = ["Qwen2Attention", "Qwen2ForCausalLM", "Qwen2Model"]
 
-# (fused parameter, checkpoint name, shard id)
-STACKED_PARAMS = (
-    ("qkv_proj", "q_proj", "q"),
-    ("qkv_proj", "k_proj", "k"),
-    ("qkv_proj", "v_proj", "v"),
-    ("gate_up_proj", "gate_proj", 0),
-    ("gate_up_proj", "up_proj", 1),
-)
 SKIPPED_WEIGHTS = ("rotary_emb.inv_freq",)
 
 
@@ -53,22 +45,6 @@ def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
     if getattr(config, "use_sliding_window", False) and layer_idx >= getattr(config, "max_window_layers", 0):
         return window
     return None
-
-
-class Qwen2MLP(nn.Module):
-    """``x [T, hidden] -> down(silu(gate(x)) * up(x)) [T, hidden]``."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, prefix: str) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, bias=False, prefix=maybe_prefix(prefix, "gate_up_proj")
-        )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False,
-                                           prefix=maybe_prefix(prefix, "down_proj"))
-        self.act_fn = get_act_and_mul_fn(hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class Qwen2Attention(nn.Module):
@@ -126,7 +102,7 @@ class Qwen2DecoderLayer(nn.Module):
     def __init__(self, config: Any, prefix: str, attn_cls: type[Qwen2Attention], layer_idx: int) -> None:
         super().__init__()
         self.self_attn = attn_cls(config, maybe_prefix(prefix, "self_attn"), layer_sliding_window(config, layer_idx))
-        self.mlp = Qwen2MLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
                             maybe_prefix(prefix, "mlp"))
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -157,7 +133,7 @@ class Qwen2Model(DecoderModel):
 class Qwen2ForCausalLM(CausalLM):
     """Qwen2 (q/k/v biases); Qwen3 subclasses it: a decoder body under the shared LM head of :class:`CausalLM`."""
 
-    stacked_params = STACKED_PARAMS
+    stacked_params = QKV_GATE_UP_STACKED_PARAMS
     skipped_weights = SKIPPED_WEIGHTS
 
     attn_cls: type[Qwen2Attention] = Qwen2Attention
