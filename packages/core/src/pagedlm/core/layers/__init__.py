@@ -8,7 +8,7 @@ methods never do sharding arithmetic themselves.
 """
 
 from pagedlm.core.layers.activation import GeluAndMul, SiluAndMul, get_act_and_mul_fn
-from pagedlm.core.layers.causal_lm import CausalLM, DecoderModel
+from pagedlm.core.layers.causal_lm import CausalLM, DecoderModel, PreNormDecoderLayer
 from pagedlm.core.layers.layernorm import RMSNorm
 from pagedlm.core.layers.linear import (
     ColumnParallelLinear,
@@ -39,6 +39,7 @@ __all__ = [
     "LogitsProcessor",
     "MergedColumnParallelLinear",
     "PPMissingLayer",
+    "PreNormDecoderLayer",
     "QKV_GATE_UP_STACKED_PARAMS",
     "ParallelLMHead",
     "QKVParallelLinear",

@@ -73,6 +73,33 @@ class CausalLM(nn.Module):
         return load_weights_by_name(self, weights, self.stacked_params, skip)
 
 
+class PreNormDecoderLayer(nn.Module):
+    """One pre-norm block (Llama, Qwen2/3): ``norm -> self_attn -> norm -> mlp``. Subclasses build
+    ``input_layernorm`` and ``post_attention_layernorm`` (``RMSNorm``), ``self_attn`` and ``mlp``.
+
+    The residual stream is carried separately so each norm fuses the add before it:
+    ``forward(positions [T], hidden [T, H], residual) -> (hidden, residual)``, the block's true
+    output being ``hidden + residual``.
+    """
+
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+    self_attn: nn.Module
+    mlp: nn.Module
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
 class DecoderModel(nn.Module):
     """Embedding, decoder layers and final norm: ``(input_ids [T], positions [T]) -> [T, hidden]``.
 

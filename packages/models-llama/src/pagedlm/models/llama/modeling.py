@@ -20,6 +20,7 @@ from pagedlm.core.layers import (
     CausalLM,
     DecoderModel,
     GatedMLP,
+    PreNormDecoderLayer,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
@@ -72,10 +73,8 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
 
-class LlamaDecoderLayer(nn.Module):
-    """One pre-norm block. The residual stream is carried separately (``residual``) so each
-    norm fuses the preceding add: ``forward(positions, hidden, residual) -> (hidden, residual)``
-    with the block's true output being ``hidden + residual``."""
+class LlamaDecoderLayer(PreNormDecoderLayer):
+    """Llama's pre-norm block (the forward is :class:`PreNormDecoderLayer`'s)."""
 
     def __init__(self, config: Any, prefix: str, sliding_window: int | None = None) -> None:
         super().__init__()
@@ -86,18 +85,6 @@ class LlamaDecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(DecoderModel):

@@ -21,6 +21,7 @@ from pagedlm.core.layers import (
     CausalLM,
     DecoderModel,
     GatedMLP,
+    PreNormDecoderLayer,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
@@ -95,9 +96,8 @@ class Qwen2Attention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
 
-class Qwen2DecoderLayer(nn.Module):
-    """Pre-norm block carrying the residual stream separately:
-    ``forward(positions, hidden, residual) -> (hidden, residual)``, true output ``hidden + residual``."""
+class Qwen2DecoderLayer(PreNormDecoderLayer):
+    """Qwen2's pre-norm block (the forward is :class:`PreNormDecoderLayer`'s)."""
 
     def __init__(self, config: Any, prefix: str, attn_cls: type[Qwen2Attention], layer_idx: int) -> None:
         super().__init__()
@@ -106,18 +106,6 @@ class Qwen2DecoderLayer(nn.Module):
                             maybe_prefix(prefix, "mlp"))
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
 
 
 class Qwen2Model(DecoderModel):
