@@ -15,7 +15,7 @@ import shlex
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from importlib import resources
 from typing import Any
 
@@ -215,6 +215,20 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def run_offline(args: Any, need_len: int | None, measure: Callable[[Any, EngineSetup], dict[str, Any]],
+                print_result: Callable[[dict[str, Any]], None]) -> int:
+    """The body of an offline subcommand: build the engine setup, ``measure``, always clean up,
+    then print the result and write it to ``--output-json``."""
+    setup = EngineSetup(args, need_len=need_len)
+    try:
+        result = measure(args, setup)
+    finally:
+        setup.cleanup()
+    print_result(result)
+    finish(result, args.output_json)
+    return 0
 
 
 def finish(result: dict[str, Any], path: str | None) -> None:

@@ -42,14 +42,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
     if args.num_iters_warmup < 0:
         raise ValueError(f"--num-iters-warmup must be >= 0 (got {args.num_iters_warmup})")
-    setup = common.EngineSetup(args, need_len=args.input_len + args.output_len)
-    try:
-        result = measure(args, setup)
-    finally:
-        setup.cleanup()
-    _print(result)
-    common.finish(result, args.output_json)
-    return 0
+    return common.run_offline(args, args.input_len + args.output_len, measure, _print)
 
 
 def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, Any]:

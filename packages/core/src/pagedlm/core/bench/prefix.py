@@ -37,14 +37,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup = common.EngineSetup(args, need_len=args.prefix_len + args.suffix_len + args.output_len)
-    try:
-        result = measure(args, setup)
-    finally:
-        setup.cleanup()
-    _print(result)
-    common.finish(result, args.output_json)
-    return 0
+    return common.run_offline(args, args.prefix_len + args.suffix_len + args.output_len, measure, _print)
 
 
 def _one_run(setup: common.EngineSetup, workload: Any, *, caching: bool, vocab: int) -> tuple[dict[str, Any], Any]:

@@ -43,14 +43,7 @@ def _need_len(args: argparse.Namespace) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup = common.EngineSetup(args, need_len=_need_len(args))
-    try:
-        result = measure(args, setup)
-    finally:
-        setup.cleanup()
-    _print(result)
-    common.finish(result, args.output_json)
-    return 0
+    return common.run_offline(args, _need_len(args), measure, _print)
 
 
 def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, Any]:
