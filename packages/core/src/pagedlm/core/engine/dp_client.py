@@ -194,19 +194,15 @@ class DPClient(EngineCoreClient):
 
     # -- EngineCoreClient ------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
-        rank = min(range(self.size), key=lambda r: (self.load[r], r))
-        self._send(rank, ("add", request))
-        self.owner[request.request_id] = rank
-        self.load[rank] += 1
+        rank = _assign(self.owner, self.load, request.request_id)
+        try:
+            self._send(rank, ("add", request))
+        except BaseException:
+            _release(self.owner, self.load, [request.request_id])
+            raise
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        by_rank: dict[int, list[str]] = {}
-        for req_id in request_ids:
-            rank = self.owner.pop(req_id, None)
-            if rank is not None:
-                self.load[rank] -= 1
-                by_rank.setdefault(rank, []).append(req_id)
-        for rank, ids in by_rank.items():
+        for rank, ids in _release(self.owner, self.load, request_ids).items():
             self._send(rank, ("abort", ids))
 
     def get_output(self) -> list[EngineCoreOutput]:
@@ -278,19 +274,15 @@ class AsyncDPClient:
         return next((c.dead_error for c in self.clients if c.is_dead), None)
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
-        rank = min(range(self.size), key=lambda r: (self.load[r], r))
-        await self.clients[rank].add_request_async(request)
-        self.owner[request.request_id] = rank
-        self.load[rank] += 1
+        rank = _assign(self.owner, self.load, request.request_id)
+        try:
+            await self.clients[rank].add_request_async(request)
+        except BaseException:
+            _release(self.owner, self.load, [request.request_id])
+            raise
 
     def abort_requests_nowait(self, request_ids: list[str]) -> None:
-        by_rank: dict[int, list[str]] = {}
-        for req_id in request_ids:
-            rank = self.owner.pop(req_id, None)
-            if rank is not None:
-                self.load[rank] -= 1
-                by_rank.setdefault(rank, []).append(req_id)
-        for rank, ids in by_rank.items():
+        for rank, ids in _release(self.owner, self.load, request_ids).items():
             self.clients[rank].abort_requests_nowait(ids)
 
     async def get_output_async(self) -> Any:
@@ -329,3 +321,22 @@ class AsyncDPClient:
         self._tasks.clear()
         for client in self.clients:
             client.shutdown()
+
+
+def _assign(owner: dict[str, int], load: list[int], request_id: str) -> int:
+    """Route a new request to the least-loaded replica (lowest rank on ties); returns the rank."""
+    rank = min(range(len(load)), key=lambda r: (load[r], r))
+    owner[request_id] = rank
+    load[rank] += 1
+    return rank
+
+
+def _release(owner: dict[str, int], load: list[int], request_ids: list[str]) -> dict[int, list[str]]:
+    """Forget requests (unknown ids are ignored); returns rank -> the ids that replica held."""
+    by_rank: dict[int, list[str]] = {}
+    for req_id in request_ids:
+        rank = owner.pop(req_id, None)
+        if rank is not None:
+            load[rank] -= 1
+            by_rank.setdefault(rank, []).append(req_id)
+    return by_rank
