@@ -18,6 +18,7 @@ from pagedlm.core.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
     maybe_prefix,
+    set_attention_heads,
 )
 from pagedlm.core.layers.mlp import QKV_GATE_UP_STACKED_PARAMS, GatedMLP
 from pagedlm.core.layers.pipeline import PPMissingLayer, is_pp_missing, make_layers, pp_layer_range
@@ -56,4 +57,5 @@ __all__ = [
     "make_layers",
     "maybe_prefix",
     "pp_layer_range",
+    "set_attention_heads",
 ]

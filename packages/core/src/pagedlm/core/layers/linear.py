@@ -43,7 +43,23 @@ __all__ = [
     "RowParallelLinear",
     "divide",
     "maybe_prefix",
+    "set_attention_heads",
 ]
+
+
+def set_attention_heads(module: nn.Module, config: Any) -> None:
+    """Set an attention module's head counts from an HF config, for this tensor-parallel rank:
+    ``total_num_heads``, ``total_num_kv_heads``, ``head_dim`` (the config's, or hidden / heads),
+    and the rank's ``num_heads``, ``num_kv_heads``, ``q_size``, ``kv_size``."""
+    tp_size = get_tensor_model_parallel_world_size()
+    module.total_num_heads = config.num_attention_heads
+    module.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or module.total_num_heads
+    module.head_dim = getattr(config, "head_dim", None) or config.hidden_size // module.total_num_heads
+    module.num_heads = module.total_num_heads // tp_size
+    # NOTE: with more ranks than KV heads each rank keeps one (replicated) KV head.
+    module.num_kv_heads = max(1, module.total_num_kv_heads // tp_size)
+    module.q_size = module.num_heads * module.head_dim
+    module.kv_size = module.num_kv_heads * module.head_dim
 
 
 def maybe_prefix(prefix: str, name: str) -> str:

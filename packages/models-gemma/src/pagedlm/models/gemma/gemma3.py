@@ -29,7 +29,6 @@ from torch import nn
 
 from pagedlm.core.attention import Attention
 from pagedlm.core.config import VllmConfig
-from pagedlm.core.distributed import get_tensor_model_parallel_world_size
 from pagedlm.core.layers import (
     QKV_GATE_UP_STACKED_PARAMS,
     GatedMLP,
@@ -40,6 +39,7 @@ from pagedlm.core.layers import (
     VocabParallelEmbedding,
     get_rope,
     maybe_prefix,
+    set_attention_heads,
 )
 from pagedlm.core.layers.rotary import RotaryEmbedding
 from pagedlm.core.model_loader import default_weight_loader, load_weights_by_name, set_weight_attrs
@@ -112,16 +112,8 @@ class Gemma3Attention(nn.Module):
 
     def __init__(self, config: Any, prefix: str, layer_idx: int, max_position: int) -> None:
         super().__init__()
-        tp_size = get_tensor_model_parallel_world_size()
+        set_attention_heads(self, config)
         hidden_size = config.hidden_size
-        self.total_num_heads = config.num_attention_heads
-        self.total_num_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden_size // self.total_num_heads
-        self.num_heads = self.total_num_heads // tp_size
-        # NOTE: with more ranks than KV heads each rank keeps one (replicated) KV head.
-        self.num_kv_heads = max(1, self.total_num_kv_heads // tp_size)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(config, "attention_bias", False))
 
         self.qkv_proj = QKVParallelLinear(
