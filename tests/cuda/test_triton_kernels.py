@@ -114,7 +114,7 @@ def to_device(common: CommonAttentionMetadata, device: torch.device) -> CommonAt
 
 
 def run_triton(case: Case, device, *, num_heads, num_kv_heads, head_size, sliding_window=None, soft_cap=None,
-               num_splits=None, config=None):
+               num_splits=None, config=None, req_order=None):
     from pagedlm.backends.cuda.triton_attn import TritonAttentionImpl, TritonAttentionMetadataBuilder
 
     builder = TritonAttentionMetadataBuilder(block_size=case.kv_cache.shape[2], device=device)
@@ -122,6 +122,8 @@ def run_triton(case: Case, device, *, num_heads, num_kv_heads, head_size, slidin
     meta = builder.build(to_device(case.common, device))
     if num_splits is not None:
         meta.num_splits = num_splits
+    if req_order is not None:
+        meta.req_order = req_order.to(device=device, dtype=torch.int32)
     impl = TritonAttentionImpl(num_heads=num_heads, head_size=head_size, scale=head_size**-0.5,
                                num_kv_heads=num_kv_heads, sliding_window=sliding_window, logits_soft_cap=soft_cap)
     impl.kernel_config = config
@@ -163,6 +165,23 @@ def test_decode_batch_and_split_kv(device, heads, num_splits, dtype):
     shape = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=64)
     case = make_case(DECODES, block_size=16, dtype=dtype, seed=num_splits, **shape)
     check(case, device, dtype, num_splits=num_splits, **shape)
+
+
+@pytest.mark.parametrize("order", ["longest-first", "random"])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_order(device, order, num_splits):
+    """Decode programs taken in any order of the requests (the runner passes longest first):
+    every request's rows are still computed once, from its own context."""
+    shape = dict(num_heads=8, num_kv_heads=2, head_size=64)
+    reqs = DECODES + LONG_DECODES
+    case = make_case(reqs, block_size=16, dtype=torch.bfloat16, seed=13, **shape)
+    if order == "longest-first":
+        req_order = torch.argsort(case.common.seq_lens, descending=True, stable=True)
+    else:
+        req_order = torch.randperm(len(reqs), generator=torch.Generator().manual_seed(1))
+    assert not torch.equal(req_order, torch.arange(len(reqs)))
+    meta = check(case, device, torch.bfloat16, num_splits=num_splits, req_order=req_order, **shape)
+    assert meta.req_order is not None
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 
 import torch
 import triton.testing
@@ -27,16 +28,55 @@ def copy_bandwidth(gib: float = 4.0) -> float:
     return 2 * n * 4 / (ms * 1e-3)
 
 
-def make_batch(batch, context, heads, kv_heads, head, block_size, dtype, query_len=1):
+def make_batch(batch, context, heads, kv_heads, head, block_size, dtype, query_len=1, contexts=None):
+    """``contexts`` (a list of ``batch`` lengths) makes a ragged batch; ``context`` is then the longest."""
     blocks_per = -(-context // block_size)
     num_blocks = batch * blocks_per + 8
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head, dtype=dtype, device="cuda")
     perm = torch.randperm(num_blocks, device="cuda")[: batch * blocks_per].to(torch.int32)
     block_table = perm.view(batch, blocks_per).contiguous()
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    if contexts is None:
+        contexts = [context] * batch
+    seq_lens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
     qsl = torch.arange(0, (batch + 1) * query_len, query_len, dtype=torch.int32, device="cuda")
     query = torch.randn(batch * query_len, heads, head, dtype=dtype, device="cuda")
     return cache, block_table, seq_lens, qsl, query
+
+
+def nano_contexts(batch: int, gen: torch.Generator) -> list[int]:
+    """Context lengths of a nano decode step with ``batch`` requests left: 256 prompts of 100-1024
+    tokens and 100-1024 outputs, so ``batch`` are left at about step ``100 + 924 (1 - batch / 256)``."""
+    step = 100 + int(924 * (1 - batch / 256))
+    return (torch.randint(100, 1025, (batch,), generator=gen) + step).tolist()
+
+
+def ragged_decode(args, dtype, bw: float, num_sms: int) -> dict:
+    """nano-like ragged decode batches: every split count, with and without the longest-first
+    order, and the split count the metadata builder picks (graphs capture with ``max_model_len``)."""
+    gen = torch.Generator().manual_seed(0)
+    table = {}
+    for batch in args.ragged_batches:
+        contexts = nano_contexts(batch, gen)
+        cache, bt, seq_lens, qsl, query = make_batch(batch, max(contexts), args.heads, args.kv_heads, args.head_size,
+                                                     args.block_size, dtype, contexts=contexts)
+        order = torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
+        out = torch.empty_like(query)
+        kv_bytes = 2 * sum(contexts) * args.kv_heads * args.head_size * 2
+        picked = choose_num_splits(batch, args.kv_heads, args.max_model_len, num_sms)
+        row = {"picked_splits": picked}
+        for ns in (1, 2, 4, 8, 16):
+            for ordered in (False, True):
+                kwargs = dict(block_table=bt, seq_lens=seq_lens, query_start_loc=qsl, num_reqs=batch,
+                              num_tokens=batch, max_query_len=1, scale=args.head_size**-0.5, num_splits=ns,
+                              req_order=order if ordered else None)
+                ms = triton.testing.do_bench(partial(paged_attention, out, query, cache[0], cache[1], **kwargs),
+                                             warmup=10, rep=60, return_mode="median")
+                row[f"s{ns}{'o' if ordered else ''}"] = round(ms * 1e3, 1)  # microseconds
+        row["best"] = min((k for k in row if k.startswith("s")), key=lambda k: row[k])
+        row["best_of_copy_bw"] = round(kv_bytes / (row[row["best"]] * 1e-6) / bw, 3)
+        table[batch] = row
+        print(f"  batch {batch:3d}: {row}")
+    return table
 
 
 def main() -> None:
@@ -47,10 +87,14 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=4096, help="what graphs capture the split count with")
+    p.add_argument("--ragged-batches", type=int, nargs="*",
+                   default=[256, 224, 192, 160, 128, 96, 64, 48, 32, 24, 16, 8, 4, 1])
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     dtype = torch.bfloat16
     bw = copy_bandwidth()
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     cache, bt, seq_lens, qsl, query = make_batch(args.batch, args.context, args.heads, args.kv_heads,
                                                  args.head_size, args.block_size, dtype)
     out = torch.empty_like(query)
@@ -70,7 +114,6 @@ def main() -> None:
         rows.append({**cfg, "ms": ms, "TB/s": kv_bytes / (ms * 1e-3) / 1e12, "of_copy_bw": kv_bytes / (ms * 1e-3) / bw})
     # small batches use split-KV; report one such shape with the default config
     small = {}
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for batch in (1, 8, 32):
         c2, bt2, sl2, q2s, qu2 = make_batch(batch, 8192, args.heads, args.kv_heads, args.head_size,
                                              args.block_size, dtype)
@@ -93,6 +136,8 @@ def main() -> None:
         warmup=25, rep=200, return_mode="median")
     flops = 16 * args.heads * (512 * 512 / 2) * args.head_size * 4  # causal: half the QK^T and PV work
     prefill = {"ms": ms, "TFLOP/s": flops / (ms * 1e-3) / 1e12}
+    print("ragged nano-like decode batches (microseconds; sN = N splits, o = longest first):")
+    ragged = ragged_decode(args, dtype, bw, num_sms)
     ok = [r for r in rows if "ms" in r]
     best = min(ok, key=lambda r: r["ms"]) if ok else None
     print(f"copy bandwidth (read+write): {bw / 1e12:.2f} TB/s")
@@ -105,7 +150,7 @@ def main() -> None:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"copy_bw": bw, "decode": rows, "best": best, "split": small, "prefill": prefill,
-                       "args": vars(args), "device": torch.cuda.get_device_name()}, f, indent=1)
+                       "ragged": ragged, "args": vars(args), "device": torch.cuda.get_device_name()}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ larger batches) runs eagerly through the same buffers. ``enforce_eager=True`` tu
 Buffer packing (why: one copy, and fixed addresses per padded size for graph replay): one int64
 buffer holds the token data ``input_ids | positions | slot_mapping``, each segment ``n`` long and
 starting at a multiple of ``_tok_stride(n)``; then the request data ``query_start_loc (b + 1) |
-seq_lens (b)`` as int32 (segments at multiples of ``_req_stride(b)``); then, for async
+seq_lens (b) | decode_order (b)`` as int32 (segments at multiples of ``_req_stride(b)``); then, for async
 scheduling, the positions in ``input_ids`` of tokens still on the device and their rows in the
 last sampled tensor. The block table ``[max_num_seqs, max_blocks_per_req]`` int32 is apart: its
 row stride never changes. Segments start on 64-byte boundaries because Triton specialises kernels on
@@ -73,7 +73,9 @@ class CudaModelRunner(ModelRunner):
         self.max_num_tokens = max(int(sc.max_num_batched_tokens or 8192), self.max_num_reqs)
         self.max_blocks = self.input_batch.max_blocks_per_req
         on_cuda = device.type == "cuda"
-        step_len = 3 * _tok_stride(self.max_num_tokens) + _req_stride(self.max_num_reqs) \
+        # int64 elements: token data, request data (4 int32 segments: 2 int64 per _req_stride),
+        # fed-token indices
+        step_len = 3 * _tok_stride(self.max_num_tokens) + 2 * _req_stride(self.max_num_reqs) \
             + 2 * _tok_stride(self.max_num_reqs)
         self._step_buf = torch.zeros(step_len, dtype=torch.int64, device=device)
         self._fed = (self._step_buf[:0], self._step_buf[:0])  # this step's (fed positions, sample rows)
@@ -125,9 +127,9 @@ class CudaModelRunner(ModelRunner):
         t = step_host.numpy()
         ts, rs = _tok_stride(num_tokens), _req_stride(num_reqs)
         req_at = 3 * ts  # int64 offset of the request data; int32 offset 2 * req_at
-        r = t[req_at : req_at + rs].view(np.int32)
-        req_buf = self._step_buf[req_at : req_at + rs].view(torch.int32)
-        req_host = step_host[req_at : req_at + rs].view(torch.int32)
+        r = t[req_at : req_at + 2 * rs].view(np.int32)
+        req_buf = self._step_buf[req_at : req_at + 2 * rs].view(torch.int32)
+        req_host = step_host[req_at : req_at + 2 * rs].view(torch.int32)
         real_t = real_b = num_fed = 0
         r[0] = 0
         if step is not None:
@@ -144,7 +146,13 @@ class CudaModelRunner(ModelRunner):
             t[2 * ts + real_t : 2 * ts + num_tokens] = -1
             r[real_b + 1 : num_reqs + 1] = np.arange(real_t + 1, real_t + 1 + num_reqs - real_b)
             r[rs + real_b : rs + num_reqs] = 1
-        end = req_at + rs
+        decode_only = num_tokens == num_reqs
+        if decode_only:  # longest context first, padding (context 1) last
+            order = r[2 * rs : 2 * rs + num_reqs]
+            if real_b:
+                order[:real_b] = np.argsort(-r[rs : rs + real_b], kind="stable")
+            order[real_b:] = np.arange(real_b, num_reqs)
+        end = req_at + 2 * rs
         if num_fed:
             fs = _tok_stride(num_fed)
             t[end : end + num_fed] = step.fed_token_indices  # type: ignore[union-attr]
@@ -182,6 +190,7 @@ class CudaModelRunner(ModelRunner):
             num_actual_tokens=num_tokens,
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
+            decode_order=req_buf[2 * rs : 2 * rs + num_reqs] if decode_only else None,
         )
 
     def _ids_positions(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -51,6 +51,8 @@ class TritonAttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64
     #: key-range splits of the split-KV path (1 = off); decided on the host
     num_splits: int = 1
+    #: ``[B]`` int32, decode-only steps: requests longest context first (see the kernel's load balance)
+    req_order: torch.Tensor | None = None
 
 
 class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMetadata]):
@@ -80,6 +82,7 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
             block_table=common.block_table,
             slot_mapping=common.slot_mapping,
             num_splits=num_splits,
+            req_order=common.decode_order if common.max_query_len == 1 else None,
         )
 
 
@@ -142,7 +145,8 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             block_table=metadata.block_table, seq_lens=metadata.seq_lens,
             query_start_loc=metadata.query_start_loc, num_reqs=metadata.num_reqs, num_tokens=num_tokens,
             max_query_len=metadata.max_query_len, scale=self.scale, sliding_window=self.sliding_window,
-            soft_cap=self.logits_soft_cap, num_splits=metadata.num_splits, config=self.kernel_config,
+            soft_cap=self.logits_soft_cap, num_splits=metadata.num_splits, req_order=metadata.req_order,
+            config=self.kernel_config,
         )
         return out
 

@@ -41,6 +41,9 @@ class CommonAttentionMetadata:
     num_actual_tokens: int
     max_query_len: int
     max_seq_len: int
+    #: ``[B]`` int32, device: the requests by descending ``seq_len``, for backends that balance
+    #: decode work across the GPU (longest first); ``None`` when the runner does not provide it
+    decode_order: torch.Tensor | None = None
 
 
 M = TypeVar("M")

@@ -11,7 +11,14 @@ num_kv_heads`` query heads that share its kv head, so each K/V tile it loads ser
 ``BLOCK_Q * G`` rows (GQA costs no extra K/V traffic). Request ``r`` owns tiles starting at
 ``query_start_loc[r] // BLOCK_Q + r``: that numbering needs no host-side tile table, leaves at most
 ``num_reqs`` idle tiles, and a program finds its request by a binary search over
-``query_start_loc``. Decode-only launches set ``DECODE_ONLY`` and map tile ``r`` to request ``r``.
+``query_start_loc``. Decode-only launches set ``DECODE_ONLY``: their grid is ``(kv heads,
+requests, kv splits)`` and tile ``r`` serves request ``req_order[r]`` (or ``r`` without an order).
+
+Load balance of decode batches (why the order): a decode program's work is its request's context
+length, which in a continuous batch ranges over several times. The GPU hands out programs in grid
+order (first axis fastest), so with the runner's ``req_order`` (requests by descending context)
+and the kv head as the fastest axis, the longest programs start first and the short ones fill the
+tail: the longest-processing-time-first rule, which keeps the SMs busy until the end of the launch.
 
 Causality is by absolute position: query ``i`` of a request with ``q_len`` new tokens and
 ``seq_len`` context sits at ``seq_len - q_len + i`` and sees keys ``<=`` that (and, with a sliding
@@ -71,26 +78,31 @@ def _tile_start(query_start_loc_ptr, req, BLOCK_Q: tl.constexpr):
 @triton.jit(do_not_specialize=["num_reqs", "sliding_window"])
 def _paged_attention_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
-    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, req_order_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,
     num_reqs, num_heads, scale, soft_cap, sliding_window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DECODE_ONLY: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DECODE_ONLY: tl.constexpr, ORDERED: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOTS: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     # -- which request and which of its query tokens this program owns --------------------------
     if DECODE_ONLY:
-        req = tile
+        kv_head = tl.program_id(0)
+        tile = tl.program_id(1)
+        if ORDERED:
+            req = tl.load(req_order_ptr + tile)
+        else:
+            req = tile
         q_tile_start = 0
     else:
+        tile = tl.program_id(0)
+        kv_head = tl.program_id(1)
         # largest r with tile_start(r) <= tile; tile_start is strictly increasing in r
         lo = 0
         hi = num_reqs - 1
@@ -271,6 +283,7 @@ def paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     num_splits: int = 1,
+    req_order: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
 ) -> None:
     """Attention of ``num_tokens`` flat query rows over the paged cache, written into ``out``.
@@ -284,6 +297,8 @@ def paged_attention(
         query_start_loc: ``[B' + 1]`` int32
         max_query_len: longest query of the batch (1 selects the decode-only grid)
         num_splits: key-range splits (power of two); 1 = no split-KV
+        req_order: ``[B']`` int32, a permutation of the first ``num_reqs`` requests, longest context
+            first; decode-only launches start their programs in this order (load balance)
         config: optional overrides of ``BLOCK_M``/``BLOCK_N``/``num_warps``/``num_stages``
     """
     if num_tokens == 0 or num_reqs == 0:
@@ -316,14 +331,16 @@ def paged_attention(
     else:
         part_acc = part_max = part_sum = out  # unused
     fp32 = query.dtype == torch.float32
-    _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, num_tiles, num_splits) if decode_only else (num_tiles, num_kv_heads, num_splits)
+    ordered = decode_only and req_order is not None
+    _paged_attention_kernel[grid](
         out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-        part_acc, part_max, part_sum,
+        req_order if ordered else seq_lens, part_acc, part_max, part_sum,
         num_reqs, num_heads, float(scale), float(soft_cap or 1.0), int(sliding_window or 0),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, DECODE_ONLY=decode_only,
+        NUM_SPLITS=num_splits, DECODE_ONLY=decode_only, ORDERED=ordered,
         USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=sliding_window is not None,
         # fp32 models are the HF-parity configuration: no tf32 rounding in the dots there
         DOT_PRECISION="ieee" if fp32 else "tf32",
