@@ -1,10 +1,11 @@
 """``triton``: paged attention through Triton kernels (DESIGN.md §6), the CUDA default.
 
 Same KV-cache layout as ``cpu_paged`` (``[2, num_blocks, block_size, num_kv_heads, head_size]``),
-so the reference backend can check these kernels on identical caches. One step is two launches
-per layer (three with split-KV): the KV write through ``slot_mapping``, then one attention
-kernel over the whole flat batch (prefill chunks, prefix-cached prompts and decodes together);
-see :mod:`pagedlm.backends.cuda.kernels.paged_attention`.
+so the reference backend can check these kernels on identical caches. A step with prefill
+tokens is two launches per layer (three with split-KV): the KV write through ``slot_mapping``,
+then one attention kernel over the whole flat batch (prefill chunks, prefix-cached prompts and
+decodes together); a decode-only step is one (two with split-KV), the attention kernel storing
+the new K/V itself. See :mod:`pagedlm.backends.cuda.kernels.paged_attention`.
 
 Also usable on the CPU under ``TRITON_INTERPRET=1`` (Triton's interpreter), which is how the
 kernels are tested without a GPU.
@@ -138,15 +139,19 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         if num_tokens == 0:
             return out
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        write_kv_cache(key[:num_tokens], value[:num_tokens], key_cache, value_cache,
-                       metadata.slot_mapping[:num_tokens])
+        new_kv = None
+        if metadata.max_query_len == 1:  # decode-only: the attention launch stores the K/V itself
+            new_kv = (key, value, metadata.slot_mapping)
+        else:
+            write_kv_cache(key[:num_tokens], value[:num_tokens], key_cache, value_cache,
+                           metadata.slot_mapping[:num_tokens])
         paged_attention(
             out, query, key_cache, value_cache,
             block_table=metadata.block_table, seq_lens=metadata.seq_lens,
             query_start_loc=metadata.query_start_loc, num_reqs=metadata.num_reqs, num_tokens=num_tokens,
             max_query_len=metadata.max_query_len, scale=self.scale, sliding_window=self.sliding_window,
             soft_cap=self.logits_soft_cap, num_splits=metadata.num_splits, req_order=metadata.req_order,
-            config=self.kernel_config,
+            new_kv=new_kv, config=self.kernel_config,
         )
         return out
 

@@ -25,6 +25,12 @@ Causality is by absolute position: query ``i`` of a request with ``q_len`` new t
 window ``w``, ``>`` that ``- w``). This one rule covers fresh prefills, prefix-cached prompts,
 chunked-prefill continuations and decodes alike.
 
+Decode launches may also store this step's K/V (``FUSED_WRITE``, one launch per layer instead of
+two): each decode token is the last key of its request, so the programs take it from the
+``key``/``value`` inputs instead of the cache, and the one program whose key range holds it
+stores it into its slot. No program reads that slot from the cache in the same launch, so
+there is no race.
+
 Split-KV (flash-decoding): with ``NUM_SPLITS > 1`` each program covers one contiguous slice of
 the key range and writes an unnormalised partial result plus its running max and sum;
 ``_combine_splits_kernel`` merges them. Used when there are too few (request, kv head) pairs to
@@ -80,12 +86,13 @@ def _paged_attention_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, req_order_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,
+    key_ptr, value_ptr, slot_mapping_ptr,
     num_reqs, num_heads, scale, soft_cap, sliding_window,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kt, stride_kh, stride_vt, stride_vh,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DECODE_ONLY: tl.constexpr, ORDERED: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DECODE_ONLY: tl.constexpr, ORDERED: tl.constexpr, FUSED_WRITE: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOTS: tl.constexpr,
 ):
@@ -160,6 +167,14 @@ def _paged_attention_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
         bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
         head_off = kv_head * HEAD_SIZE
+        if FUSED_WRITE:  # decode only: this step's token is key seq_len - 1 of the request
+            new_pos = seq_len - 1
+            new_token = q_begin.to(tl.int64)
+            k_new = tl.load(key_ptr + new_token * stride_kt + kv_head * stride_kh + d, mask=d_valid, other=0.0)
+            v_new = tl.load(value_ptr + new_token * stride_vt + kv_head * stride_vh + d,
+                            mask=d_valid, other=0.0)
+            k_new = k_new.to(key_cache_ptr.dtype.element_ty)
+            v_new = v_new.to(value_cache_ptr.dtype.element_ty)
         for start in range(kv_lo, kv_hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             pos_valid = pos < kv_hi
@@ -168,6 +183,8 @@ def _paged_attention_kernel(
             kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD_SIZE) + head_off + d[None, :]
             kv_mask = pos_valid[:, None] & d_valid[None, :]
             k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            if FUSED_WRITE:
+                k = tl.where((pos == new_pos)[:, None], k_new[None, :], k)
             if UPCAST_DOTS:
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
@@ -188,12 +205,21 @@ def _paged_attention_kernel(
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            if FUSED_WRITE:
+                v = tl.where((pos == new_pos)[:, None], v_new[None, :], v)
             p_v = p.to(v.dtype)  # P@V in the cache dtype, like every flash-attention kernel
             if UPCAST_DOTS:
                 p_v = p_v.to(tl.float32)
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision=DOT_PRECISION)
             m_i = m_new
+
+        if FUSED_WRITE:  # after the loop: the slot is never read from the cache in this launch
+            new_slot = tl.load(slot_mapping_ptr + new_token)
+            if (new_slot >= 0) & (kv_lo <= new_pos) & (new_pos < kv_hi):
+                dst = new_slot * (NUM_KV_HEADS * HEAD_SIZE) + head_off + d
+                tl.store(key_cache_ptr + dst, k_new, mask=d_valid)
+                tl.store(value_cache_ptr + dst, v_new, mask=d_valid)
 
         out_mask = row_valid[:, None] & d_valid[None, :]
         if NUM_SPLITS == 1:
@@ -284,6 +310,7 @@ def paged_attention(
     soft_cap: float | None = None,
     num_splits: int = 1,
     req_order: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     config: dict[str, int] | None = None,
 ) -> None:
     """Attention of ``num_tokens`` flat query rows over the paged cache, written into ``out``.
@@ -299,6 +326,9 @@ def paged_attention(
         num_splits: key-range splits (power of two); 1 = no split-KV
         req_order: ``[B']`` int32, a permutation of the first ``num_reqs`` requests, longest context
             first; decode-only launches start their programs in this order (load balance)
+        new_kv: decode-only launches: ``(key [T', Hkv, D], value [T', Hkv, D], slot_mapping [T'] int64)``
+            of this step's tokens, stored into the cache by this launch (``write_kv_cache`` fused
+            in); the keys are then read from these inputs, not the cache
         config: optional overrides of ``BLOCK_M``/``BLOCK_N``/``num_warps``/``num_stages``
     """
     if num_tokens == 0 or num_reqs == 0:
@@ -333,14 +363,23 @@ def paged_attention(
     fp32 = query.dtype == torch.float32
     grid = (num_kv_heads, num_tiles, num_splits) if decode_only else (num_tiles, num_kv_heads, num_splits)
     ordered = decode_only and req_order is not None
+    if new_kv is not None:
+        if not decode_only:
+            raise ValueError("new_kv (the fused K/V write) needs a decode-only launch (max_query_len == 1)")
+        key, value, slot_mapping = new_kv
+        assert key.stride(-1) == 1 and value.stride(-1) == 1, "K/V must be contiguous in the head dimension"
+    else:
+        key = value = query  # unused
+        slot_mapping = seq_lens
     _paged_attention_kernel[grid](
         out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-        req_order if ordered else seq_lens, part_acc, part_max, part_sum,
+        req_order if ordered else seq_lens, part_acc, part_max, part_sum, key, value, slot_mapping,
         num_reqs, num_heads, float(scale), float(soft_cap or 1.0), int(sliding_window or 0),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, DECODE_ONLY=decode_only, ORDERED=ordered,
+        NUM_SPLITS=num_splits, DECODE_ONLY=decode_only, ORDERED=ordered, FUSED_WRITE=new_kv is not None,
         USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=sliding_window is not None,
         # fp32 models are the HF-parity configuration: no tf32 rounding in the dots there
         DOT_PRECISION="ieee" if fp32 else "tf32",
