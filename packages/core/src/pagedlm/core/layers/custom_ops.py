@@ -1,10 +1,10 @@
-"""Device-specific replacements for small layer ops (an extension point for platforms).
+"""Device-specific replacements for small ops (an extension point for platforms).
 
-Core layers compute in plain torch; that is the reference. A platform may register a faster
-implementation of an op for its device type (pagedlm-backend-cuda registers fused Triton kernels
-for ``"cuda"``); a layer then calls it for tensors on that device and keeps the torch path for
-every other device. A replacement must keep the contract written next to each name below,
-including dtype rounding (HF-parity tests compare greedy tokens).
+Core layers and the sampler compute in plain torch; that is the reference. A platform may
+register a faster implementation of an op for its device type (pagedlm-backend-cuda registers
+fused Triton kernels for ``"cuda"``); core then calls it for tensors on that device and keeps the
+torch path for every other device. A replacement must keep the contract written next to each
+name below, including dtype rounding (HF-parity tests compare greedy tokens).
 
 - ``"rms_norm"``: ``fn(x [..., N], weight [N], eps) -> [..., N]``
 - ``"fused_add_rms_norm"``: ``fn(x, residual, weight, eps) -> (norm(x + residual), x + residual)``
@@ -15,6 +15,12 @@ including dtype rounding (HF-parity tests compare greedy tokens).
   cos_sin_cache, head_size, rotary_dim, is_neox_style) -> (query, key)``: every ``D``-sized head
   of query and key RMS-normalised (``rms_norm`` of each head with its weight), then rotated
   (``rotary_embedding``); new tensors
+- ``"gumbel_sample"``: ``fn(logits [B, V], temperature [B] float32, seed, offset) -> [B] int64``:
+  row ``i`` drawn from ``softmax(logits[i] / temperature[i])`` (logits in any float dtype, divided
+  in float32; ``-inf`` entries never drawn unless the whole row is ``-inf``) with noise that is a
+  function of ``(seed, offset)`` alone (equal ints, equal draws; no host sync); rows with
+  temperature below 1e-5 (greedy, 0.0 in ``SamplingMetadata``) get the argmax (lowest index wins
+  ties), as ``torch.argmax``
 """
 
 from __future__ import annotations
@@ -24,7 +30,14 @@ from typing import Any
 
 __all__ = ["OP_NAMES", "clear_op_impls", "get_op_impl", "register_op_impl"]
 
-OP_NAMES = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "qk_norm_rotary_embedding")
+OP_NAMES = (
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "qk_norm_rotary_embedding",
+    "gumbel_sample",
+)
 
 _IMPLS: dict[tuple[str, str], Callable[..., Any]] = {}
 

@@ -5,17 +5,27 @@ Pipeline for logits ``[B, V]``:
 
 1. raw logprobs (only if some row wants them): ``log_softmax`` of the incoming logits in float32,
    before any processing — the model's own distribution, as vLLM returns by default.
-2. ``process_logits``: float32, logit bias, min-tokens masking, penalties.
+2. ``process_logits``: float32, logit bias, min-tokens masking, penalties. Skipped when no row
+   has a bias, min-tokens or penalty: it would only make a float32 copy, which neither step 3
+   nor the fused sampler needs.
 3. greedy rows: ``argmax`` of the processed logits (lowest index wins ties).
 4. random rows: divide by temperature, min-p, top-k, top-p, then the Gumbel-max draw
    ``argmax(logits - log q)`` with ``q ~ Exponential(1)`` (so ``-log q`` is Gumbel), which
    draws exactly from ``softmax(logits)`` without computing it: the exponential race
    ``argmax(probs / q)`` in log space.
 
+   Fused path: where a platform registers ``"gumbel_sample"`` (see ``pagedlm.core.layers.
+   custom_ops``) for the logits' device, a batch with random rows, no min-p/top-k/top-p and no
+   seeded random row is sampled by that one op instead: temperature, noise and argmax (greedy
+   rows included) in one pass over the logits in their own dtype.
+
 Reproducibility contract: every random row consumes exactly one ``Exponential`` draw of ``V``
 values per call. Seeded rows draw theirs with their own generator, so a seeded request gives the
 same tokens whatever else is in the batch and wherever its row is; unseeded rows share one batch
-draw from the default generator. Greedy rows never touch their generator.
+draw from the default generator. Greedy rows never touch their generator. On the fused path
+(never taken with a seeded random row) the unseeded rows instead draw from the op's own
+counter-based RNG, keyed by one 62-bit integer taken per call from torch's default CPU
+generator: reproducible under ``torch.manual_seed``, but not the same tokens as the torch path.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedlm.core.layers.custom_ops import get_op_impl
 from pagedlm.core.sample.logprobs import LogprobsTensors, compute_topk_logprobs
 from pagedlm.core.sample.metadata import SamplingMetadata
 from pagedlm.core.sample.penalties import (
@@ -33,6 +44,8 @@ from pagedlm.core.sample.penalties import (
 )
 
 _SAMPLING_EPS = 1e-5
+#: the fused op's per-call seed is drawn from ``[0, 2**62)``
+_FUSED_SEED_RANGE = 2**62
 
 
 @dataclass
@@ -64,8 +77,10 @@ class Sampler(torch.nn.Module):
 
         if logits.shape[0] == 0:
             sampled = torch.empty(0, dtype=torch.int64, device=logits.device)
-        else:
+        elif _needs_processing(md):
             sampled = sample(process_logits(logits, md), md)
+        else:
+            sampled = sample(logits, md)
 
         logprobs_tensors = None
         if raw_logprobs is not None:
@@ -97,14 +112,33 @@ def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return out
 
 
+def _needs_processing(md: SamplingMetadata) -> bool:
+    """Whether ``process_logits`` does more than a float32 copy for this batch."""
+    return any(md.logit_bias) or bool(md.min_tokens) or not md.no_penalties
+
+
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Processed float32 logits ``[B, V]`` -> sampled ids ``[B]`` int64. Does not modify
-    ``logits``."""
+    """Logits ``[B, V]`` -> sampled ids ``[B]`` int64. Does not modify ``logits``.
+
+    ``logits`` are the output of ``process_logits`` (float32), or the raw logits in any float
+    dtype when there was nothing to process: argmax and the fused op read them as they are, and
+    the torch random path casts them to float32 first, as ``process_logits`` would have.
+    """
+    if md.all_greedy:
+        # NOTE: same ids as on a float32 copy: the cast is exact and keeps the order and ties.
+        return logits.argmax(dim=-1)
+    generators = _random_generators(md)
+    if not generators and md.min_p is None and md.top_k is None and md.top_p is None:
+        fused = get_op_impl("gumbel_sample", logits.device.type)
+        if fused is not None:
+            # Greedy rows have temperature 0.0, for which the op takes the argmax. The key comes
+            # from the default CPU generator: no device sync, and torch.manual_seed replays it.
+            return fused(logits, md.temperature, int(torch.randint(_FUSED_SEED_RANGE, (1,)).item()), 0)
+
+    logits = logits.to(torch.float32)  # no copy for processed logits
     greedy_tokens = None
     if not md.all_random:
         greedy_tokens = logits.argmax(dim=-1)
-        if md.all_greedy:
-            return greedy_tokens
 
     # Greedy rows go through the random path too (batched), with a harmless temperature of 1;
     # their result is discarded below.
@@ -113,7 +147,7 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         logits = apply_min_p(logits, md.min_p)
     if md.top_k is not None or md.top_p is not None:
         logits = apply_top_k_top_p(logits, md.top_k, md.top_p, max_top_k=md.max_top_k)
-    random_tokens = gumbel_max(logits, _random_generators(md))
+    random_tokens = gumbel_max(logits, generators)
     if greedy_tokens is None:
         return random_tokens
     return torch.where(md.temperature < _SAMPLING_EPS, greedy_tokens, random_tokens)

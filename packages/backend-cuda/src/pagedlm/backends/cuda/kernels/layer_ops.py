@@ -16,7 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["fused_add_rms_norm", "register_cuda_layer_ops", "rms_norm", "rotary_embedding", "silu_and_mul"]
+__all__ = [
+    "fused_add_rms_norm",
+    "qk_norm_rotary_embedding",
+    "register_cuda_layer_ops",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+]
 
 
 @triton.jit
@@ -251,7 +258,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def register_cuda_layer_ops(device_type: str = "cuda") -> None:
     """Make core's RMSNorm, RotaryEmbedding (also with Qwen3's q/k norm) and SiluAndMul use
-    these kernels on ``device_type``."""
+    these kernels on ``device_type``, and core's sampler the fused Gumbel-max sampler of
+    :mod:`pagedlm.backends.cuda.kernels.sampling`."""
+    from pagedlm.backends.cuda.kernels.sampling import gumbel_sample
     from pagedlm.core.layers.custom_ops import register_op_impl
 
     register_op_impl("rms_norm", device_type, rms_norm)
@@ -259,3 +268,4 @@ def register_cuda_layer_ops(device_type: str = "cuda") -> None:
     register_op_impl("rotary_embedding", device_type, rotary_embedding)
     register_op_impl("silu_and_mul", device_type, silu_and_mul)
     register_op_impl("qk_norm_rotary_embedding", device_type, qk_norm_rotary_embedding)
+    register_op_impl("gumbel_sample", device_type, gumbel_sample)
