@@ -279,7 +279,12 @@ def test_choose_num_splits():
     from pagedlm.backends.cuda.kernels.paged_attention import choose_num_splits
 
     assert choose_num_splits(256, 8, 4096, 132) == 1  # the GPU is full already
+    assert choose_num_splits(64, 8, 4096, 132) == 1  # 512 programs: ~3.9 per SM
+    assert choose_num_splits(48, 8, 4096, 132) == 2
+    assert choose_num_splits(24, 8, 4096, 132) == 4
+    assert choose_num_splits(8, 8, 4096, 132) == 8
     assert choose_num_splits(1, 8, 4096, 132) == 16
-    assert choose_num_splits(4, 8, 4096, 132) == 8
+    assert choose_num_splits(4, 8, 4096, 132) == 16
+    assert choose_num_splits(4, 8, 1024, 132) == 8  # splits of at least two 64-key tiles
     assert choose_num_splits(1, 8, 100, 132) == 1  # too short to split
     assert choose_num_splits(1, 8, 300, 132) == 2

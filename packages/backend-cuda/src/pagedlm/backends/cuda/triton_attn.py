@@ -92,6 +92,8 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
 
     #: launch-parameter overrides (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``), for tuning
     kernel_config: dict[str, int] | None = None
+    #: decode-only steps store the K/V inside the attention launch (False: a separate write launch)
+    fuse_kv_write: bool = True
 
     def __init__(
         self,
@@ -140,7 +142,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             return out
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         new_kv = None
-        if metadata.max_query_len == 1:  # decode-only: the attention launch stores the K/V itself
+        if metadata.max_query_len == 1 and self.fuse_kv_write:  # the attention launch stores the K/V
             new_kv = (key, value, metadata.slot_mapping)
         else:
             write_kv_cache(key[:num_tokens], value[:num_tokens], key_cache, value_cache,

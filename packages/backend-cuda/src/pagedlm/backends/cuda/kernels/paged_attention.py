@@ -26,10 +26,11 @@ window ``w``, ``>`` that ``- w``). This one rule covers fresh prefills, prefix-c
 chunked-prefill continuations and decodes alike.
 
 Decode launches may also store this step's K/V (``FUSED_WRITE``, one launch per layer instead of
-two): each decode token is the last key of its request, so the programs take it from the
-``key``/``value`` inputs instead of the cache, and the one program whose key range holds it
-stores it into its slot. No program reads that slot from the cache in the same launch, so
-there is no race.
+two): each decode token is the last key of its request, so the key loop stops before it and the
+one program whose key range holds it adds it as one more column of the online softmax, from the
+``key``/``value`` inputs, then stores it into its slot. No program reads that slot from the
+cache in the same launch, so there is no race. (Why not substitute it inside the loop: a select
+on the loaded K/V tiles took them out of the shared-memory path of the dots.)
 
 Split-KV (flash-decoding): with ``NUM_SPLITS > 1`` each program covers one contiguous slice of
 the key range and writes an unnormalised partial result plus its running max and sum;
@@ -175,16 +176,17 @@ def _paged_attention_kernel(
                             mask=d_valid, other=0.0)
             k_new = k_new.to(key_cache_ptr.dtype.element_ty)
             v_new = v_new.to(value_cache_ptr.dtype.element_ty)
-        for start in range(kv_lo, kv_hi, BLOCK_N):
+        kv_stop = kv_hi
+        if FUSED_WRITE:
+            kv_stop = tl.minimum(kv_hi, new_pos)  # the new key is added after the loop
+        for start in range(kv_lo, kv_stop, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
-            pos_valid = pos < kv_hi
+            pos_valid = pos < kv_stop
             block = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
             slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
             kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD_SIZE) + head_off + d[None, :]
             kv_mask = pos_valid[:, None] & d_valid[None, :]
             k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            if FUSED_WRITE:
-                k = tl.where((pos == new_pos)[:, None], k_new[None, :], k)
             if UPCAST_DOTS:
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
@@ -205,8 +207,6 @@ def _paged_attention_kernel(
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            if FUSED_WRITE:
-                v = tl.where((pos == new_pos)[:, None], v_new[None, :], v)
             p_v = p.to(v.dtype)  # P@V in the cache dtype, like every flash-attention kernel
             if UPCAST_DOTS:
                 p_v = p_v.to(tl.float32)
@@ -214,12 +214,29 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision=DOT_PRECISION)
             m_i = m_new
 
-        if FUSED_WRITE:  # after the loop: the slot is never read from the cache in this launch
-            new_slot = tl.load(slot_mapping_ptr + new_token)
-            if (new_slot >= 0) & (kv_lo <= new_pos) & (new_pos < kv_hi):
-                dst = new_slot * (NUM_KV_HEADS * HEAD_SIZE) + head_off + d
-                tl.store(key_cache_ptr + dst, k_new, mask=d_valid)
-                tl.store(value_cache_ptr + dst, v_new, mask=d_valid)
+        if FUSED_WRITE:  # noqa: SIM102 - a constexpr branch: new_pos only exists inside it
+            if (kv_lo <= new_pos) & (new_pos < kv_hi):
+                # the new key: one more column, with the loop's rounding (P in the cache dtype)
+                s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)  # [BLOCK_M]
+                if USE_SOFT_CAP:
+                    x_new = s_new * (scale / soft_cap)
+                    s_new = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * x_new) + 1.0)) * _LOG2E
+                else:
+                    s_new = s_new * (scale * _LOG2E)
+                s_new = tl.where(row_valid, s_new, float("-inf"))  # visible to every row (causal, window)
+                m_new = tl.maximum(m_i, s_new)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p_new = tl.exp2(s_new - m_safe)
+                alpha = tl.exp2(m_i - m_safe)
+                l_i = l_i * alpha + p_new
+                p_v_new = p_new.to(value_cache_ptr.dtype.element_ty).to(tl.float32)
+                acc = acc * alpha[:, None] + p_v_new[:, None] * v_new.to(tl.float32)[None, :]
+                m_i = m_new
+                new_slot = tl.load(slot_mapping_ptr + new_token)
+                if new_slot >= 0:  # padding: nothing to store
+                    dst = new_slot * (NUM_KV_HEADS * HEAD_SIZE) + head_off + d
+                    tl.store(key_cache_ptr + dst, k_new, mask=d_valid)
+                    tl.store(value_cache_ptr + dst, v_new, mask=d_valid)
 
         out_mask = row_valid[:, None] & d_valid[None, :]
         if NUM_SPLITS == 1:
@@ -280,15 +297,18 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 
 
 def choose_num_splits(num_tiles: int, num_kv_heads: int, max_seq_len: int, num_sms: int, block_n: int = 64) -> int:
-    """Splits of the key range so that up to about two programs per SM are in flight (the
-    largest power of two that fits, at most 16), and never a split shorter than two key tiles."""
+    """Splits of the key range: the smallest power of two that gives about 3.5 programs per SM
+    (at most 16, and never a split shorter than two key tiles).
+
+    Why 3.5: on an H200 (132 SMs, two decode programs resident per SM) with nano-like ragged
+    batches taken longest first, that is where splitting stopped paying for its partial results
+    (``bench_attention.py``, 2026-11-29): 64 requests x 8 kv heads ran as fast unsplit, 48 were
+    6% faster with 2 splits, 24 were 30% faster with 4, 8 were 2.7x faster with 8."""
     programs = max(1, num_tiles * num_kv_heads)
-    if programs >= num_sms:
-        return 1
-    want = 2 * num_sms // programs
-    by_length = max(1, max_seq_len // (2 * block_n))
+    target = 7 * num_sms // 2
+    limit = min(16, max(1, max_seq_len // (2 * block_n)))
     splits = 1
-    while splits * 2 <= min(want, by_length, 16):
+    while programs * splits < target and splits * 2 <= limit:
         splits *= 2
     return splits
 
