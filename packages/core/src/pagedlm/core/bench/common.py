@@ -147,8 +147,11 @@ def warm_up(llm: Any, vocab_size: int) -> None:
     max_len = llm.vllm_config.max_model_len
     prompt_len = max(1, min(24, max_len // 2))
     prompts = [{"prompt_token_ids": [(7 * i + j) % vocab_size for j in range(prompt_len)]} for i in range(2)]
-    params = SamplingParams(max_tokens=max(1, min(4, max_len - prompt_len)), ignore_eos=True, temperature=0.0)
-    llm.generate(prompts, params, use_tqdm=False)
+    max_tokens = max(1, min(4, max_len - prompt_len))
+    # greedy and random: each sampler path compiles its kernels (e.g. Triton's) here, not in a timing
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature)
+        llm.generate(prompts, params, use_tqdm=False)
 
 
 # -- statistics ---------------------------------------------------------------------------------
