@@ -1,11 +1,10 @@
 """``triton``: paged attention through Triton kernels (DESIGN.md §6), the CUDA default.
 
 Same KV-cache layout as ``cpu_paged`` (``[2, num_blocks, block_size, num_kv_heads, head_size]``),
-so the reference backend can check these kernels on identical caches. A step with prefill
-tokens is two launches per layer (three with split-KV): the KV write through ``slot_mapping``,
-then one attention kernel over the whole flat batch (prefill chunks, prefix-cached prompts and
-decodes together); a decode-only step is one (two with split-KV), the attention kernel storing
-the new K/V itself. See :mod:`pagedlm.backends.cuda.kernels.paged_attention`.
+so the reference backend can check these kernels on identical caches. One step is two launches
+per layer (three with split-KV): the KV write through ``slot_mapping``, then one attention
+kernel over the whole flat batch (prefill chunks, prefix-cached prompts and decodes together);
+see :mod:`pagedlm.backends.cuda.kernels.paged_attention`.
 
 Also usable on the CPU under ``TRITON_INTERPRET=1`` (Triton's interpreter), which is how the
 kernels are tested without a GPU.
@@ -92,8 +91,6 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
 
     #: launch-parameter overrides (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``), for tuning
     kernel_config: dict[str, int] | None = None
-    #: decode-only steps store the K/V inside the attention launch (False: a separate write launch)
-    fuse_kv_write: bool = True
 
     def __init__(
         self,
@@ -141,19 +138,15 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         if num_tokens == 0:
             return out
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        new_kv = None
-        if metadata.max_query_len == 1 and self.fuse_kv_write:  # the attention launch stores the K/V
-            new_kv = (key, value, metadata.slot_mapping)
-        else:
-            write_kv_cache(key[:num_tokens], value[:num_tokens], key_cache, value_cache,
-                           metadata.slot_mapping[:num_tokens])
+        write_kv_cache(key[:num_tokens], value[:num_tokens], key_cache, value_cache,
+                       metadata.slot_mapping[:num_tokens])
         paged_attention(
             out, query, key_cache, value_cache,
             block_table=metadata.block_table, seq_lens=metadata.seq_lens,
             query_start_loc=metadata.query_start_loc, num_reqs=metadata.num_reqs, num_tokens=num_tokens,
             max_query_len=metadata.max_query_len, scale=self.scale, sliding_window=self.sliding_window,
             soft_cap=self.logits_soft_cap, num_splits=metadata.num_splits, req_order=metadata.req_order,
-            new_kv=new_kv, config=self.kernel_config,
+            config=self.kernel_config,
         )
         return out
 

@@ -25,13 +25,6 @@ Causality is by absolute position: query ``i`` of a request with ``q_len`` new t
 window ``w``, ``>`` that ``- w``). This one rule covers fresh prefills, prefix-cached prompts,
 chunked-prefill continuations and decodes alike.
 
-Decode launches may also store this step's K/V (``FUSED_WRITE``, one launch per layer instead of
-two): each decode token is the last key of its request, so the key loop stops before it and the
-one program whose key range holds it adds it as one more column of the online softmax, from the
-``key``/``value`` inputs, then stores it into its slot. No program reads that slot from the
-cache in the same launch, so there is no race. (Why not substitute it inside the loop: a select
-on the loaded K/V tiles took them out of the shared-memory path of the dots.)
-
 Split-KV (flash-decoding): with ``NUM_SPLITS > 1`` each program covers one contiguous slice of
 the key range and writes an unnormalised partial result plus its running max and sum;
 ``_combine_splits_kernel`` merges them. Used when there are too few (request, kv head) pairs to
@@ -87,13 +80,12 @@ def _paged_attention_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, req_order_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,
-    key_ptr, value_ptr, slot_mapping_ptr,
     num_reqs, num_heads, scale, soft_cap, sliding_window,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DECODE_ONLY: tl.constexpr, ORDERED: tl.constexpr, FUSED_WRITE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DECODE_ONLY: tl.constexpr, ORDERED: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOTS: tl.constexpr,
 ):
@@ -168,20 +160,9 @@ def _paged_attention_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
         bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
         head_off = kv_head * HEAD_SIZE
-        if FUSED_WRITE:  # decode only: this step's token is key seq_len - 1 of the request
-            new_pos = seq_len - 1
-            new_token = q_begin.to(tl.int64)
-            k_new = tl.load(key_ptr + new_token * stride_kt + kv_head * stride_kh + d, mask=d_valid, other=0.0)
-            v_new = tl.load(value_ptr + new_token * stride_vt + kv_head * stride_vh + d,
-                            mask=d_valid, other=0.0)
-            k_new = k_new.to(key_cache_ptr.dtype.element_ty)
-            v_new = v_new.to(value_cache_ptr.dtype.element_ty)
-        kv_stop = kv_hi
-        if FUSED_WRITE:
-            kv_stop = tl.minimum(kv_hi, new_pos)  # the new key is added after the loop
-        for start in range(kv_lo, kv_stop, BLOCK_N):
+        for start in range(kv_lo, kv_hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
-            pos_valid = pos < kv_stop
+            pos_valid = pos < kv_hi
             block = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
             slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
             kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD_SIZE) + head_off + d[None, :]
@@ -213,30 +194,6 @@ def _paged_attention_kernel(
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision=DOT_PRECISION)
             m_i = m_new
-
-        if FUSED_WRITE:  # noqa: SIM102 - a constexpr branch: new_pos only exists inside it
-            if (kv_lo <= new_pos) & (new_pos < kv_hi):
-                # the new key: one more column, with the loop's rounding (P in the cache dtype)
-                s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)  # [BLOCK_M]
-                if USE_SOFT_CAP:
-                    x_new = s_new * (scale / soft_cap)
-                    s_new = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * x_new) + 1.0)) * _LOG2E
-                else:
-                    s_new = s_new * (scale * _LOG2E)
-                s_new = tl.where(row_valid, s_new, float("-inf"))  # visible to every row (causal, window)
-                m_new = tl.maximum(m_i, s_new)
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p_new = tl.exp2(s_new - m_safe)
-                alpha = tl.exp2(m_i - m_safe)
-                l_i = l_i * alpha + p_new
-                p_v_new = p_new.to(value_cache_ptr.dtype.element_ty).to(tl.float32)
-                acc = acc * alpha[:, None] + p_v_new[:, None] * v_new.to(tl.float32)[None, :]
-                m_i = m_new
-                new_slot = tl.load(slot_mapping_ptr + new_token)
-                if new_slot >= 0:  # padding: nothing to store
-                    dst = new_slot * (NUM_KV_HEADS * HEAD_SIZE) + head_off + d
-                    tl.store(key_cache_ptr + dst, k_new, mask=d_valid)
-                    tl.store(value_cache_ptr + dst, v_new, mask=d_valid)
 
         out_mask = row_valid[:, None] & d_valid[None, :]
         if NUM_SPLITS == 1:
@@ -330,7 +287,6 @@ def paged_attention(
     soft_cap: float | None = None,
     num_splits: int = 1,
     req_order: torch.Tensor | None = None,
-    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     config: dict[str, int] | None = None,
 ) -> None:
     """Attention of ``num_tokens`` flat query rows over the paged cache, written into ``out``.
@@ -346,9 +302,6 @@ def paged_attention(
         num_splits: key-range splits (power of two); 1 = no split-KV
         req_order: ``[B']`` int32, a permutation of the first ``num_reqs`` requests, longest context
             first; decode-only launches start their programs in this order (load balance)
-        new_kv: decode-only launches: ``(key [T', Hkv, D], value [T', Hkv, D], slot_mapping [T'] int64)``
-            of this step's tokens, stored into the cache by this launch (``write_kv_cache`` fused
-            in); the keys are then read from these inputs, not the cache
         config: optional overrides of ``BLOCK_M``/``BLOCK_N``/``num_warps``/``num_stages``
     """
     if num_tokens == 0 or num_reqs == 0:
@@ -383,23 +336,14 @@ def paged_attention(
     fp32 = query.dtype == torch.float32
     grid = (num_kv_heads, num_tiles, num_splits) if decode_only else (num_tiles, num_kv_heads, num_splits)
     ordered = decode_only and req_order is not None
-    if new_kv is not None:
-        if not decode_only:
-            raise ValueError("new_kv (the fused K/V write) needs a decode-only launch (max_query_len == 1)")
-        key, value, slot_mapping = new_kv
-        assert key.stride(-1) == 1 and value.stride(-1) == 1, "K/V must be contiguous in the head dimension"
-    else:
-        key = value = query  # unused
-        slot_mapping = seq_lens
     _paged_attention_kernel[grid](
         out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-        req_order if ordered else seq_lens, part_acc, part_max, part_sum, key, value, slot_mapping,
+        req_order if ordered else seq_lens, part_acc, part_max, part_sum,
         num_reqs, num_heads, float(scale), float(soft_cap or 1.0), int(sliding_window or 0),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, DECODE_ONLY=decode_only, ORDERED=ordered, FUSED_WRITE=new_kv is not None,
+        NUM_SPLITS=num_splits, DECODE_ONLY=decode_only, ORDERED=ordered,
         USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=sliding_window is not None,
         # fp32 models are the HF-parity configuration: no tf32 rounding in the dots there
         DOT_PRECISION="ieee" if fp32 else "tf32",
