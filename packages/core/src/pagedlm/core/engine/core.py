@@ -23,15 +23,20 @@ StatsListener = Callable[[SchedulerStats], None]
 
 class EngineCore:
     def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor] | None = None) -> None:
+        start = time.perf_counter()
         vllm_config.finalize()
         self.vllm_config = vllm_config
         executor_class = executor_class or Executor.get_class(vllm_config)
         self.executor = executor_class(vllm_config)
+        executor_s = time.perf_counter() - start
         try:
             num_blocks = self._initialize_kv_cache()
         except BaseException:
             self.executor.shutdown()
             raise
+        # which part of a slow start-up to look at (the model load and the KV cache log their own)
+        logger.info("engine core ready in %.2fs: executor (workers, device, model) %.2fs, KV cache %.2fs",
+                    time.perf_counter() - start, executor_s, time.perf_counter() - start - executor_s)
         sc = vllm_config.scheduler_config
         cc = vllm_config.cache_config
         self.scheduler = Scheduler(
