@@ -5,6 +5,9 @@
 #
 #   STAGES=install,kernels-tests,nano,nano-sync,kernel-bench,tests,fixed-hf bash packages/backend-cuda/benchmarks/gpu_session.sh
 #
+# Stages run in this file's order whatever STAGES lists. Triton caches compiled kernels on disk,
+# so nano's init_s is a cold-start figure only without kernels-tests before it.
+#
 # Needs the wheels in .whl/ (hatchling & co., see ../shared/tools/device-wheels) on a machine
 # without a package index.
 set -u
@@ -66,6 +69,13 @@ if has nano-spy; then  # where the host's time goes (py-spy from .whl/; sampling
 fi
 if has host; then  # the engine's Python per step on this machine's CPU, model and sampler stubbed out
   stage host 120 python3 packages/backend-cuda/benchmarks/host_overhead.py --async-scheduling
+fi
+if has ablate; then  # nano with each optimisation switched off in turn (ablate.py), baseline first
+  for switch in none torch-sampler request-order two-per-sm; do
+    stage "ablate-$switch" 120 python3 packages/backend-cuda/benchmarks/ablate.py "$switch" bench throughput \
+      --model-config qwen3-0.6b --load-format dummy --workload nano --output-json "$OUT/ablate-$switch.json"
+    summary "$OUT/ablate-$switch.json"
+  done
 fi
 if has nano-greedy; then
   stage nano-greedy 180 $BENCH --workload nano --temperature 0 --output-json "$OUT/nano-greedy.json"
