@@ -35,8 +35,9 @@ class EngineCore:
             self.executor.shutdown()
             raise
         # which part of a slow start-up to look at (the model load and the KV cache log their own)
+        total_s = time.perf_counter() - start
         logger.info("engine core ready in %.2fs: executor (workers, device, model) %.2fs, KV cache %.2fs",
-                    time.perf_counter() - start, executor_s, time.perf_counter() - start - executor_s)
+                    total_s, executor_s, total_s - executor_s)
         sc = vllm_config.scheduler_config
         cc = vllm_config.cache_config
         self.scheduler = Scheduler(
