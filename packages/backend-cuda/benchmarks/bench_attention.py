@@ -17,6 +17,7 @@ import torch
 import triton.testing
 
 from pagedlm.backends.cuda.kernels.paged_attention import choose_num_splits, paged_attention
+from pagedlm.core.bench.workloads import NANO
 
 
 def copy_bandwidth(gib: float = 4.0) -> float:
@@ -44,10 +45,12 @@ def make_batch(batch, context, heads, kv_heads, head, block_size, dtype, query_l
 
 
 def nano_contexts(batch: int, gen: torch.Generator) -> list[int]:
-    """Context lengths of a nano decode step with ``batch`` requests left: 256 prompts of 100-1024
-    tokens and 100-1024 outputs, so ``batch`` are left at about step ``100 + 924 (1 - batch / 256)``."""
-    step = 100 + int(924 * (1 - batch / 256))
-    return (torch.randint(100, 1025, (batch,), generator=gen) + step).tolist()
+    """Context lengths of a nano decode step with ``batch`` requests left: nano's prompts and
+    outputs are uniform in ``[min_len, max_len]``, so ``batch`` of its ``num_prompts`` are left at
+    about step ``min_len + (max_output_len - min_len) (1 - batch / num_prompts)``."""
+    lo, hi, n = NANO["min_len"], NANO["max_output_len"], NANO["num_prompts"]
+    step = lo + int((hi - lo) * (1 - batch / n))
+    return (torch.randint(lo, NANO["max_input_len"] + 1, (batch,), generator=gen) + step).tolist()
 
 
 def ragged_decode(args, dtype, bw: float, num_sms: int) -> dict:
