@@ -142,6 +142,12 @@ def test_graph_padding_and_capture_sizes(tiny_checkpoints, engine_kwargs):
     llm = LLM(model=tiny_checkpoints["qwen3"], dtype="float32", **{**engine_kwargs, "max_num_seqs": 6})
     runner = llm.llm_engine.core.executor.worker.model_runner
     assert sorted(runner._graphs) == [1, 2, 4, 6]
+    # an all-padding batch of more tokens than requests (start-up's prefill compile): the first
+    # request takes the surplus, nothing is stored
+    common = runner._stage(None, 7, 3)
+    assert common.query_start_loc.tolist() == [0, 5, 6, 7] and common.seq_lens.tolist() == [5, 1, 1]
+    assert common.max_query_len == 5 and common.decode_order is None
+    assert common.slot_mapping.tolist() == [-1] * 7
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     three = llm.generate([{"prompt_token_ids": p} for p in prompts()[:3]], params, use_tqdm=False)
     one = llm.generate([{"prompt_token_ids": prompts()[1]}], params, use_tqdm=False)

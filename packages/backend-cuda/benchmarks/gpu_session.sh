@@ -6,7 +6,9 @@
 #   STAGES=install,kernels-tests,nano,nano-sync,kernel-bench,tests,fixed-hf bash packages/backend-cuda/benchmarks/gpu_session.sh
 #
 # Stages run in this file's order whatever STAGES lists. Triton caches compiled kernels on disk,
-# so nano's init_s is a cold-start figure only without kernels-tests before it.
+# so nano's init_s is a cold-start figure only without kernels-tests before it (init-spy empties
+# the cache itself). For stages in another order, run the script once per group with its own
+# OUT (OUT=/tmp/out/first STAGES=install,nano ...; OUT=/tmp/out/then STAGES=init-spy ...).
 #
 # Needs the wheels in .whl/ (hatchling & co., see ../shared/tools/device-wheels) on a machine
 # without a package index.
@@ -66,6 +68,14 @@ if has nano-spy; then  # where the host's time goes (py-spy from .whl/; sampling
     python3 -m pagedlm.core.cli bench throughput --model-config qwen3-0.6b --load-format dummy --workload nano
   python3 packages/backend-cuda/benchmarks/spy_summary.py "$OUT/nano-spy.txt" --top 45 >"$OUT/nano-spy-top.txt"
   head -100 "$OUT/nano-spy-top.txt"
+fi
+if has init-spy; then  # a start-up with Triton's cache empty, under py-spy (--idle: waits count too)
+  stage init-spy 240 env TRITON_CACHE_DIR="$(mktemp -d)" \
+    py-spy record --idle -r 100 -f raw -o "$OUT/init-spy.txt" -- \
+    python3 -m pagedlm.core.cli bench throughput --model-config qwen3-0.6b --load-format dummy --workload nano
+  python3 packages/backend-cuda/benchmarks/spy_summary.py "$OUT/init-spy.txt" --within LLM.__init__ --top 60 \
+    >"$OUT/init-spy-top.txt"
+  head -130 "$OUT/init-spy-top.txt"
 fi
 if has host; then  # the engine's Python per step on this machine's CPU, model and sampler stubbed out
   stage host 120 python3 packages/backend-cuda/benchmarks/host_overhead.py --async-scheduling

@@ -116,12 +116,15 @@ class CudaModelRunner(ModelRunner):
         kv_heads = {layer.num_kv_heads for layer in self.attention_layers.values()}
         if hasattr(self.metadata_builder, "num_kv_heads") and kv_heads:
             self.metadata_builder.num_kv_heads = min(kv_heads)
+        if self.device.type == "cuda":
+            self.compile_layer_kernels()
 
     # -- inputs -----------------------------------------------------------------------------
     def _stage(self, step: StepInputs | None, num_tokens: int, num_reqs: int) -> CommonAttentionMetadata:
         """Write one step's inputs (``num_tokens``/``num_reqs`` after padding) into the buffers.
 
-        ``step=None`` stages an all-padding decode batch (graph capture)."""
+        ``step=None`` stages an all-padding batch: a decode batch when ``num_tokens ==
+        num_reqs`` (graph capture), else one whose first request has the extra tokens."""
         step_host, bt_host = self._staging[self._num_staged % 2]
         self._num_staged += 1
         t = step_host.numpy()
@@ -140,12 +143,17 @@ class CudaModelRunner(ModelRunner):
             r[: real_b + 1] = step.query_start_loc
             r[rs : rs + real_b] = step.seq_lens
             num_fed = len(step.fed_token_indices)
+        surplus = 0
         if num_tokens > real_t:  # padded requests: one token each, nothing stored, context 1
             t[real_t:num_tokens] = 0
             t[ts + real_t : ts + num_tokens] = 0
             t[2 * ts + real_t : 2 * ts + num_tokens] = -1
-            r[real_b + 1 : num_reqs + 1] = np.arange(real_t + 1, real_t + 1 + num_reqs - real_b)
+            # (an all-padding batch of more tokens than requests gives the surplus to the first)
+            surplus = num_tokens - num_reqs if step is None else 0
+            r[real_b + 1 : num_reqs + 1] = np.arange(real_t + 1, real_t + 1 + num_reqs - real_b) + surplus
             r[rs + real_b : rs + num_reqs] = 1
+            if surplus:
+                r[rs] += surplus
         decode_only = num_tokens == num_reqs
         if decode_only:  # longest context first, padding (context 1) last
             order = r[2 * rs : 2 * rs + num_reqs]
@@ -163,7 +171,7 @@ class CudaModelRunner(ModelRunner):
             self._fed = (self._step_buf[:0], self._step_buf[:0])
         self._step_buf[:end].copy_(step_host[:end], non_blocking=True)
         max_seq_len = self.max_model_len
-        max_query_len = 1
+        max_query_len = 1 + surplus
         if step is not None and real_b:
             if real_b * self.max_blocks <= _FULL_ROWS_MAX:
                 # Whole rows: one contiguous copy (a strided one costs a device-side kernel too).
@@ -274,8 +282,57 @@ class CudaModelRunner(ModelRunner):
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         super().initialize_kv_cache(num_blocks)
+        if self.device.type == "cuda":
+            self.compile_attention_kernels()
         if self.use_graphs:
             self.capture_model()
+
+    # NOTE: the two passes below run forwards inside ``compile_only`` (kernels/launch.py): every
+    # Triton op returns uninitialised memory there, so their outputs are dropped unread.
+    @torch.inference_mode()
+    def compile_layer_kernels(self) -> None:
+        """Compile, in parallel, the Triton kernels of the model's layers and of the sampler,
+        before the profiling run launches them: a forward of a few padding tokens with attention
+        off, and the fused sampler on its logits (in their dtype and in float32, which the
+        sampler uses after logits processing)."""
+        from pagedlm.backends.cuda.kernels.launch import compile_only
+        from pagedlm.backends.cuda.kernels.sampling import gumbel_sample
+
+        assert self.model is not None
+        n = min(16, self.max_num_tokens)
+        input_ids, positions = self._ids_positions(n)
+        self._step_buf.zero_()
+        with compile_only() as stats:
+            with set_forward_context(None):
+                hidden = self.model(input_ids, positions)
+            logits = self.model.compute_logits(hidden)  # type: ignore[operator]
+            temperature = torch.ones(n, dtype=torch.float32, device=self.device)
+            for dtype in {logits.dtype, torch.float32}:
+                gumbel_sample(logits.to(dtype), temperature, 0, 0)
+        torch.cuda.synchronize(self.device)
+        logger.info("compiled %d Triton kernel variants for the layers and the sampler in %.2fs",
+                    stats.num_variants, stats.seconds)
+
+    @torch.inference_mode()
+    def compile_attention_kernels(self) -> None:
+        """Compile, in parallel, the attention kernels of every decode batch size a step can
+        have (the variants differ in their key-range splits) and of prefill, before graph capture
+        or the first step launches them: padding-only forwards, nothing stored in the cache."""
+        from pagedlm.backends.cuda.kernels.launch import compile_only
+
+        sizes = set(self.capture_sizes) | {self.max_num_reqs}
+        sizes |= {1 << k for k in range(self.max_num_reqs.bit_length()) if 1 << k <= self.max_num_reqs}
+        shapes = [(size, size) for size in sorted(sizes)]
+        shapes.append((min(16, self.max_num_tokens), 1))  # one request of several new tokens
+        with compile_only() as stats:
+            for num_tokens, num_reqs in shapes:
+                metadata = self.metadata_builder.build(self._stage(None, num_tokens, num_reqs))
+                input_ids, positions = self._ids_positions(num_tokens)
+                with set_forward_context(metadata):
+                    self.model(input_ids, positions)  # type: ignore[misc]
+                # NOTE: the next _stage reuses a staging buffer whose copy must have happened
+                torch.cuda.synchronize(self.device)
+        logger.info("compiled %d Triton kernel variants for attention in %.2fs", stats.num_variants, stats.seconds)
 
     @torch.inference_mode()
     def capture_model(self) -> None:

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedlm.backends.cuda.kernels.launch import launch
+
 __all__ = [
     "fused_add_rms_norm",
     "qk_norm_rotary_embedding",
@@ -73,7 +75,8 @@ def _launch_norm(x, residual, weight, eps):
         residual = residual.reshape(rows, n)
     if rows:
         block = triton.next_power_of_2(n)
-        _rms_norm_kernel[(rows,)](
+        launch(
+            _rms_norm_kernel, (rows,),
             x if x.dim() <= 3 else x.reshape(-1, n), residual if residual is not None else x, weight, out, summed,
             inner, s0, s1, residual.stride(0) if residual is not None else 0, float(eps),
             N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=max(1, min(8, block // 256)),
@@ -197,7 +200,8 @@ def rotary_embedding(
     assert query.stride(-1) == 1 and (key is None or key.stride(-1) == 1)
     cache = cos_sin_cache if cos_sin_cache.dtype == torch.float32 else cos_sin_cache.float()
     norm_weights = qk_norm_weights if qk_norm_weights is not None else (query, query)
-    _rotary_kernel[(num_tokens,)](
+    launch(
+        _rotary_kernel, (num_tokens,),
         positions, cache.contiguous(), query, key if key is not None else query, q_out,
         k_out if k_out is not None else q_out, query.stride(0), key.stride(0) if key is not None else 0,
         num_q, num_k, norm_weights[0], norm_weights[1], float(eps),
@@ -251,8 +255,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if num_tokens:
         assert x.stride(-1) == 1
         block = min(1024, triton.next_power_of_2(inter))
-        _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](x, out, x.stride(0), inter, BLOCK=block,
-                                                                      num_warps=4)
+        grid = (num_tokens, triton.cdiv(inter, block))
+        launch(_silu_and_mul_kernel, grid, x, out, x.stride(0), inter, BLOCK=block, num_warps=4)
     return out
 
 

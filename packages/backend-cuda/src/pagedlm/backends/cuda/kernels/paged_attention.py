@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedlm.backends.cuda.kernels.launch import launch
+
 __all__ = ["paged_attention", "write_kv_cache", "choose_num_splits"]
 
 # exp2 is cheaper than exp on GPUs; scores are scaled by log2(e) once so exp2 gives exp.
@@ -244,7 +246,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
         return
     assert key.stride(-1) == 1 and value.stride(-1) == 1, "K/V must be contiguous in the head dimension"
     assert key_cache.is_contiguous() and value_cache.is_contiguous()
-    _write_kv_kernel[(num_tokens,)](
+    launch(
+        _write_kv_kernel, (num_tokens,),
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size,
@@ -336,7 +339,8 @@ def paged_attention(
     fp32 = query.dtype == torch.float32
     grid = (num_kv_heads, num_tiles, num_splits) if decode_only else (num_tiles, num_kv_heads, num_splits)
     ordered = decode_only and req_order is not None
-    _paged_attention_kernel[grid](
+    launch(
+        _paged_attention_kernel, grid,
         out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
         req_order if ordered else seq_lens, part_acc, part_max, part_sum,
         num_reqs, num_heads, float(scale), float(soft_cap or 1.0), int(sliding_window or 0),
@@ -351,7 +355,8 @@ def paged_attention(
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
-        _combine_splits_kernel[(num_tokens, num_heads)](
+        launch(
+            _combine_splits_kernel, (num_tokens, num_heads),
             out, part_acc, part_max, part_sum, num_heads, out.stride(0), out.stride(1),
             HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SPLITS=num_splits, num_warps=1,
         )

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedlm.backends.cuda.kernels.launch import launch
+
 __all__ = ["gumbel_sample"]
 
 #: columns of one quarter tile; a tile (one Philox call per lane) covers ``4 * QUARTER`` columns.
@@ -214,7 +216,8 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int, of
     num_chunks = triton.cdiv(max_chunks, tiles)
     best = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
     cols = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
-    _gumbel_chunk_kernel[(num_rows, num_chunks)](
+    launch(
+        _gumbel_chunk_kernel, (num_rows, num_chunks),
         logits,
         temperature,
         best,
@@ -230,7 +233,8 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: int, of
     )
     # Sized for one chunk per tile (the most chunks a row can have), so one compiled variant
     # serves every batch size.
-    _gumbel_reduce_kernel[(num_rows,)](
+    launch(
+        _gumbel_reduce_kernel, (num_rows,),
         best, cols, out, num_chunks, BLOCK_CHUNKS=triton.next_power_of_2(max_chunks), num_warps=1
     )
     return out
