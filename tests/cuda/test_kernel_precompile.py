@@ -1,6 +1,6 @@
 """Start-up compiles every Triton kernel variant a run launches, in parallel, before it is launched
-(``CudaModelRunner.compile_layer_kernels`` / ``compile_attention_kernels``): afterwards neither
-graph capture nor a run of mixed requests compiles anything, so no step waits on a compile."""
+(``CudaModelRunner.compile_kernels``): afterwards neither graph capture nor a run of mixed
+requests compiles anything, so no step waits on a compile."""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ the middle of a run.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -117,7 +118,7 @@ class CudaModelRunner(ModelRunner):
         if hasattr(self.metadata_builder, "num_kv_heads") and kv_heads:
             self.metadata_builder.num_kv_heads = min(kv_heads)
         if self.device.type == "cuda":
-            self.compile_layer_kernels()
+            self.compile_kernels()
 
     # -- inputs -----------------------------------------------------------------------------
     def _stage(self, step: StepInputs | None, num_tokens: int, num_reqs: int) -> CommonAttentionMetadata:
@@ -282,57 +283,73 @@ class CudaModelRunner(ModelRunner):
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         super().initialize_kv_cache(num_blocks)
-        if self.device.type == "cuda":
-            self.compile_attention_kernels()
         if self.use_graphs:
             self.capture_model()
 
-    # NOTE: the two passes below run forwards inside ``compile_only`` (kernels/launch.py): every
-    # Triton op returns uninitialised memory there, so their outputs are dropped unread.
     @torch.inference_mode()
-    def compile_layer_kernels(self) -> None:
-        """Compile, in parallel, the Triton kernels of the model's layers and of the sampler,
-        before the profiling run launches them: a forward of a few padding tokens with attention
-        off, and the fused sampler on its logits (in their dtype and in float32, which the
-        sampler uses after logits processing)."""
+    def compile_kernels(self) -> None:
+        """Compile, in parallel, every Triton kernel variant the engine will launch, before the
+        profiling run launches the first (kernels/launch.py says why): a forward of a few tokens
+        with attention off (the layers' kernels), the fused sampler on its logits (in their dtype
+        and in float32, which it gets after logits processing), and for the Triton backend one
+        forward per attention variant: each key-range split count a decode step can use, and
+        prefill.
+
+        NOTE: inside ``compile_only`` every Triton op returns uninitialised memory, so these
+        forwards' outputs are dropped unread; attention is called with a one-block stand-in
+        cache per layer (nothing is launched on it) because the real one does not exist yet.
+        """
         from pagedlm.backends.cuda.kernels.launch import compile_only
         from pagedlm.backends.cuda.kernels.sampling import gumbel_sample
+        from pagedlm.backends.cuda.triton_attn import TritonAttentionMetadataBuilder
 
         assert self.model is not None
         n = min(16, self.max_num_tokens)
         input_ids, positions = self._ids_positions(n)
         self._step_buf.zero_()
-        with compile_only() as stats:
-            with set_forward_context(None):
-                hidden = self.model(input_ids, positions)
-            logits = self.model.compute_logits(hidden)  # type: ignore[operator]
-            temperature = torch.ones(n, dtype=torch.float32, device=self.device)
-            for dtype in {logits.dtype, torch.float32}:
-                gumbel_sample(logits.to(dtype), temperature, 0, 0)
+        caches = {name: layer.kv_cache for name, layer in self.attention_layers.items()}
+        for layer in self.attention_layers.values():
+            shape = self.attn_backend.get_kv_cache_shape(1, self.block_size, layer.num_kv_heads, layer.head_size)
+            layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        try:
+            with compile_only() as stats:
+                with set_forward_context(None):
+                    hidden = self.model(input_ids, positions)
+                logits = self.model.compute_logits(hidden)  # type: ignore[operator]
+                temperature = torch.ones(n, dtype=torch.float32, device=self.device)
+                for dtype in {logits.dtype, torch.float32}:
+                    gumbel_sample(logits.to(dtype), temperature, 0, 0)
+                if isinstance(self.metadata_builder, TritonAttentionMetadataBuilder):
+                    self._compile_attention_variants()
+        finally:
+            for name, layer in self.attention_layers.items():
+                layer.kv_cache = caches[name]
         torch.cuda.synchronize(self.device)
-        logger.info("compiled %d Triton kernel variants for the layers and the sampler in %.2fs",
-                    stats.num_variants, stats.seconds)
+        logger.info("compiled %d Triton kernel variants in %.2fs", stats.num_variants, stats.seconds)
 
-    @torch.inference_mode()
-    def compile_attention_kernels(self) -> None:
-        """Compile, in parallel, the attention kernels of every decode batch size a step can
-        have (the variants differ in their key-range splits) and of prefill, before graph capture
-        or the first step launches them: padding-only forwards, nothing stored in the cache."""
-        from pagedlm.backends.cuda.kernels.launch import compile_only
-
+    def _compile_attention_variants(self) -> None:
+        """Inside ``compile_only``: a forward per Triton attention variant. Decode variants differ
+        in ``num_splits``, which the builder picks from the batch size and the longest context:
+        the capture sizes get what they will be captured with, and eager decode steps (larger
+        batches, ``enforce_eager``) any smaller power of two, for shorter contexts."""
         sizes = set(self.capture_sizes) | {self.max_num_reqs}
         sizes |= {1 << k for k in range(self.max_num_reqs.bit_length()) if 1 << k <= self.max_num_reqs}
-        shapes = [(size, size) for size in sorted(sizes)]
-        shapes.append((min(16, self.max_num_tokens), 1))  # one request of several new tokens
-        with compile_only() as stats:
-            for num_tokens, num_reqs in shapes:
-                metadata = self.metadata_builder.build(self._stage(None, num_tokens, num_reqs))
-                input_ids, positions = self._ids_positions(num_tokens)
-                with set_forward_context(metadata):
-                    self.model(input_ids, positions)  # type: ignore[misc]
-                # NOTE: the next _stage reuses a staging buffer whose copy must have happened
-                torch.cuda.synchronize(self.device)
-        logger.info("compiled %d Triton kernel variants for attention in %.2fs", stats.num_variants, stats.seconds)
+        done: set[int] = set()
+        for size in sorted(sizes):
+            metadata = self.metadata_builder.build(self._stage(None, size, size))
+            for splits in (1 << k for k in range(metadata.num_splits.bit_length())):
+                if splits not in done:
+                    done.add(splits)
+                    self._padding_forward(size, dataclasses.replace(metadata, num_splits=splits))
+            # NOTE: the next _stage reuses a staging buffer whose copy must have happened
+            torch.cuda.synchronize(self.device)
+        num_tokens = min(16, self.max_num_tokens)  # one request of several new tokens
+        self._padding_forward(num_tokens, self.metadata_builder.build(self._stage(None, num_tokens, 1)))
+
+    def _padding_forward(self, num_tokens: int, metadata) -> None:
+        input_ids, positions = self._ids_positions(num_tokens)
+        with set_forward_context(metadata):
+            self.model(input_ids, positions)  # type: ignore[misc]
 
     @torch.inference_mode()
     def capture_model(self) -> None:
