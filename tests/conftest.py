@@ -26,6 +26,14 @@ def pytest_configure(config: pytest.Config) -> None:
     # another rootdir/ini (e.g. a plugin's test suite reusing this conftest).
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped when torch.cuda.is_available() is False")
     config.addinivalue_line("markers", "slow: takes more than a few seconds")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        # xdist workers share the cores: torch's default (every core per process) would run N x
+        # cores threads, and CPU references (HF on the CPU) then crawl while waiting for each other.
+        import torch
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // workers))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
