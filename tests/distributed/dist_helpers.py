@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import time
 
@@ -11,6 +12,21 @@ MAX_NEW = 10
 # A small token budget: prompts are chunked over several steps and several batches exist at
 # once, so pipeline parallelism really has more than one batch in flight.
 ENGINE_KWARGS = {"dtype": "float32", "device": "cpu", "max_num_batched_tokens": 32, "max_model_len": 256}
+# The same checks on GPUs (NCCL instead of gloo): PAGEDLM_TEST_DIST_DEVICE=cuda on a multi-GPU host.
+if os.environ.get("PAGEDLM_TEST_DIST_DEVICE") == "cuda":
+    ENGINE_KWARGS["device"] = "cuda"
+
+
+def skip_unless_devices(world_size: int) -> None:
+    """Skip when the engine's device type has fewer than ``world_size`` devices (CPU ranks share
+    the host, so they never skip)."""
+    if ENGINE_KWARGS["device"] != "cuda":
+        return
+    import pytest
+    import torch
+
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs, this host has {torch.cuda.device_count()}")
 
 
 def prompts() -> list[list[int]]:

@@ -1,4 +1,5 @@
-"""TP=2, PP=2, TP=2 x PP=2 and DP=2 give the greedy tokens of one process (fp32, CPU, gloo).
+"""TP=2, PP=2, TP=2 x PP=2 and DP=2 give the greedy tokens of one process (fp32, CPU, gloo; on
+GPUs with NCCL when ``PAGEDLM_TEST_DIST_DEVICE=cuda``, see dist_helpers).
 
 Each case starts real worker processes (a few seconds each on two cores), so the cases are few
 and each checks several things on the same engine: tokens, the pipeline depth reached, and that
@@ -11,7 +12,7 @@ import gc
 import os
 
 import pytest
-from dist_helpers import ENGINE_KWARGS, generate, wait_gone
+from dist_helpers import ENGINE_KWARGS, generate, skip_unless_devices, wait_gone
 
 from pagedlm.core import LLM
 
@@ -65,6 +66,9 @@ def _count_batches_in_flight(llm: LLM) -> list[int]:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_layout_matches_single_process(arch, layout, checkpoints, single_process_tokens):
+    sizes = LAYOUTS[layout]
+    skip_unless_devices(sizes.get("tensor_parallel_size", 1) * sizes.get("pipeline_parallel_size", 1)
+                        * sizes.get("data_parallel_size", 1))
     llm = LLM(model=checkpoints[arch], **ENGINE_KWARGS, **LAYOUTS[layout])
     pids = _child_pids(llm)
     assert len(pids) == (2 if layout != "tp2pp2" else 4)
