@@ -31,6 +31,7 @@ import torch
 
 from pagedlm.core.attention.backend import CommonAttentionMetadata
 from pagedlm.core.config import VllmConfig
+from pagedlm.core.distributed import PP_TENSOR_NAMES, IntermediateTensors, get_pp_group
 from pagedlm.core.forward_context import set_forward_context
 from pagedlm.core.logger import init_logger
 from pagedlm.core.sample import build_sampling_metadata
@@ -96,7 +97,9 @@ class CudaModelRunner(ModelRunner):
         self._copy_events = [torch.cuda.Event() for _ in range(2)] if on_cuda else []
         self._num_copies = 0
 
-        self.use_graphs = (on_cuda and not vllm_config.enforce_eager) or self.emulate_graphs
+        # NOTE: pipeline stages run every step eagerly (execute_model's pp_forward path)
+        single_stage = vllm_config.parallel_config.pipeline_parallel_size == 1
+        self.use_graphs = (on_cuda and not vllm_config.enforce_eager and single_stage) or self.emulate_graphs
         self.capture_sizes = default_capture_sizes(self.max_num_reqs)
         self.max_capture_size = self.capture_sizes[-1] if self.capture_sizes else 0
         #: padded batch size -> (replay, (hidden states, logits) written by the captured forward)
@@ -265,11 +268,15 @@ class CudaModelRunner(ModelRunner):
         if self.device.type != "cuda":
             return
         n = self.max_num_tokens
-        input_ids, positions = self._ids_positions(n)
         self._step_buf.zero_()
         start = time.perf_counter()
         with set_forward_context(None):
-            hidden = self.model(input_ids, positions)
+            hidden = self._stage_forward(n)
+        if hidden is None:  # a pipeline stage before the last: no logits here
+            torch.cuda.synchronize(self.device)
+            logger.info("profiling run: %d tokens, peak %.2f GiB allocated (%.2fs)", n,
+                        torch.cuda.max_memory_allocated(self.device) / 2**30, time.perf_counter() - start)
+            return
         rows = min(self.max_num_reqs, n)
         logits = self.model.compute_logits(hidden[:rows])  # type: ignore[operator]
         params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9) for _ in range(rows)]
@@ -305,7 +312,6 @@ class CudaModelRunner(ModelRunner):
 
         assert self.model is not None
         n = min(16, self.max_num_tokens)
-        input_ids, positions = self._ids_positions(n)
         self._step_buf.zero_()
         caches = {name: layer.kv_cache for name, layer in self.attention_layers.items()}
         for layer in self.attention_layers.values():
@@ -314,11 +320,12 @@ class CudaModelRunner(ModelRunner):
         try:
             with compile_only() as stats:
                 with set_forward_context(None):
-                    hidden = self.model(input_ids, positions)
-                logits = self.model.compute_logits(hidden)  # type: ignore[operator]
-                temperature = torch.ones(n, dtype=torch.float32, device=self.device)
-                for dtype in {logits.dtype, torch.float32}:
-                    gumbel_sample(logits.to(dtype), temperature, 0, 0)
+                    hidden = self._stage_forward(n)
+                if hidden is not None:  # the (last) stage that samples
+                    logits = self.model.compute_logits(hidden)  # type: ignore[operator]
+                    temperature = torch.ones(n, dtype=torch.float32, device=self.device)
+                    for dtype in {logits.dtype, torch.float32}:
+                        gumbel_sample(logits.to(dtype), temperature, 0, 0)
                 if isinstance(self.metadata_builder, TritonAttentionMetadataBuilder):
                     self._compile_attention_variants()
         finally:
@@ -347,9 +354,24 @@ class CudaModelRunner(ModelRunner):
         self._padding_forward(num_tokens, self.metadata_builder.build(self._stage(None, num_tokens, 1)))
 
     def _padding_forward(self, num_tokens: int, metadata) -> None:
-        input_ids, positions = self._ids_positions(num_tokens)
         with set_forward_context(metadata):
-            self.model(input_ids, positions)  # type: ignore[misc]
+            self._stage_forward(num_tokens)
+
+    def _stage_forward(self, num_tokens: int) -> torch.Tensor | None:
+        """This rank's part of a forward over the first ``num_tokens`` staged tokens, for start-up
+        passes: a later pipeline stage starts from zeros instead of receiving activations, and
+        nothing is sent on. Returns ``[T, hidden]`` on the last stage, None on the others."""
+        assert self.model is not None
+        input_ids, positions = self._ids_positions(num_tokens)
+        pp = get_pp_group()
+        if pp.is_first_rank:
+            out = self.model(input_ids, positions)
+        else:
+            shape = (num_tokens, self.vllm_config.model_config.hidden_size)
+            intermediate = IntermediateTensors(
+                {name: torch.zeros(shape, dtype=self.dtype, device=self.device) for name in PP_TENSOR_NAMES})
+            out = self.model(input_ids, positions, intermediate_tensors=intermediate)
+        return out if pp.is_last_rank else None
 
     @torch.inference_mode()
     def capture_model(self) -> None:
