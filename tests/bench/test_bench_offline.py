@@ -128,6 +128,22 @@ def test_bad_options_name_the_problem(tiny_llama, capsys):
     # the tiny model's context is 512 tokens: a 600 + 100 token request cannot fit
     assert main(["bench", "latency", "--model", tiny_llama, *CPU, "--input-len", "600", "--output-len", "100"]) == 2
     assert "max_model_len" in capsys.readouterr().err
+    # data-parallel replicas keep their engine cores (and step statistics) in their own processes
+    for flag in (["--compare", "hf"], ["--kv-timeline", "kv.png"], ["--profile", "prof"]):
+        argv = ["bench", "throughput", "--model", tiny_llama, *CPU, "--data-parallel-size", "2", *flag]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert flag[0] in err and "--data-parallel-size 2" in err
+
+
+def test_throughput_with_data_parallel_replicas(tiny_llama, tmp_path, capsys):
+    r = _run(["bench", "throughput", "--model", tiny_llama, *CPU, "--data-parallel-size", "2", "--workload", "fixed",
+              "--num-prompts", "6", "--input-len", "20", "--output-len", "6"], tmp_path / "dp.json")
+    assert r["engine"]["data_parallel_size"] == 2 and r["num_requests"] == 6
+    assert r["total_output_tokens"] == 36 and _positive(r["output_tokens_per_s"], r["elapsed_s"])
+    # per-step statistics stay in the replicas' processes: reported as unknown, not as zero
+    assert r["num_steps"] is None and r["num_preemptions"] is None and r["steps"] == {}
+    assert "2 replicas" in capsys.readouterr().out
 
 
 @pytest.mark.slow

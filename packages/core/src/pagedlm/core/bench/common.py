@@ -132,6 +132,8 @@ def engine_summary(llm: Any, setup: EngineSetup) -> dict[str, Any]:
         "enable_chunked_prefill": sc.enable_chunked_prefill,
         "async_scheduling": sc.async_scheduling,
         "tensor_parallel_size": cfg.parallel_config.tensor_parallel_size,
+        "pipeline_parallel_size": cfg.parallel_config.pipeline_parallel_size,
+        "data_parallel_size": cfg.parallel_config.data_parallel_size,
         "attention_backend": cfg.attention_backend,
         "enforce_eager": cfg.enforce_eager,
     }

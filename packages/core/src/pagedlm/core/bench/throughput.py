@@ -47,6 +47,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, Any]:
+    # With data parallelism every replica's engine core runs in its own process: its per-step
+    # statistics (steps, KV use, preemptions) stay there, and a profile of this process or a
+    # one-device HF baseline would not describe the run.
+    data_parallel = (setup.kwargs.get("data_parallel_size") or 1) > 1
+    if data_parallel:
+        for flag, value in (("--kv-timeline", args.kv_timeline), ("--profile", args.profile),
+                            ("--compare", args.compare)):
+            if value:
+                raise ValueError(f"{flag} needs one engine core in this process; with --data-parallel-size "
+                                 f"{setup.kwargs['data_parallel_size']} each replica runs its own")
     vocab = setup.vocab_size()
     if args.workload == "sharegpt-like" and setup.kwargs.get("max_model_len") is None:
         # The workload's clip range fits 2 x 1024 tokens; its lengths adapt to a shorter context.
@@ -57,18 +67,21 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
     init_s = time.perf_counter() - t_init
     engine = common.engine_summary(llm, setup)
     common.warm_up(llm, vocab)
-    recorder = StepRecorder(llm)
+    recorder = None if data_parallel else StepRecorder(llm)
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     params = workload.sampling_params()
-    recorder.restart_clock()
+    if recorder is not None:
+        recorder.restart_clock()
     with profiled(args.profile, engine["device"]) as profile_summary:
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-    recorder.finish(llm)
+    if recorder is not None:
+        recorder.finish(llm)
     num_in = sum(len(o.prompt_token_ids) for o in outputs)
     num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    steps = recorder.summary()
+    steps = recorder.summary() if recorder is not None else {}
+    missing = None if data_parallel else 0  # per-replica statistics: not collected with DP
     result: dict[str, Any] = {
         "benchmark": "throughput",
         "engine": engine,
@@ -82,10 +95,10 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
         "input_tokens_per_s": num_in / elapsed,
         "output_tokens_per_s": num_out / elapsed,
         "total_tokens_per_s": (num_in + num_out) / elapsed,
-        "num_steps": steps.get("num_steps", 0),
-        "peak_kv_cache_usage": steps.get("peak_kv_cache_usage", 0.0),
-        "peak_used_blocks": steps.get("peak_used_blocks", 0),
-        "num_preemptions": steps.get("num_preemptions", 0),
+        "num_steps": steps.get("num_steps", missing),
+        "peak_kv_cache_usage": steps.get("peak_kv_cache_usage", None if data_parallel else 0.0),
+        "peak_used_blocks": steps.get("peak_used_blocks", missing),
+        "num_preemptions": steps.get("num_preemptions", missing),
         "prefix_cached_tokens": sum(o.num_cached_tokens for o in outputs),
         "steps": steps,
     }
@@ -150,16 +163,20 @@ def _print(r: dict[str, Any]) -> None:
         ("model", f"{e['model']} ({e['device']}, {e['dtype']}, load_format={e['load_format']})"),
         ("workload", f"{w['name']}: {w['num_requests']} requests, {w['total_input_tokens']:,} in / "
                      f"{w['total_output_tokens']:,} out tokens"),
-        ("KV cache", f"{e['num_blocks']:,} blocks x {e['block_size']} tokens"),
         ("elapsed (s)", r["elapsed_s"]),
         ("requests/s", r["requests_per_s"]),
         ("input tokens/s", r["input_tokens_per_s"]),
         ("output tokens/s", r["output_tokens_per_s"]),
         ("total tokens/s", r["total_tokens_per_s"]),
-        ("engine steps", r["num_steps"]),
-        ("peak KV usage", f"{r['peak_kv_cache_usage']:.1%} ({r['peak_used_blocks']:,} blocks)"),
-        ("preemptions", r["num_preemptions"]),
     ]
+    if r["num_steps"] is None:
+        rows.insert(2, ("data parallel", f"{e['data_parallel_size']} replicas (steps, KV use and preemptions "
+                                         "stay in their processes)"))
+    else:
+        rows.insert(2, ("KV cache", f"{e['num_blocks']:,} blocks x {e['block_size']} tokens"))
+        rows += [("engine steps", r["num_steps"]),
+                 ("peak KV usage", f"{r['peak_kv_cache_usage']:.1%} ({r['peak_used_blocks']:,} blocks)"),
+                 ("preemptions", r["num_preemptions"])]
     hf = r.get("hf")
     if hf is not None:
         if "error" in hf:
