@@ -80,8 +80,15 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
         recorder.finish(llm)
     num_in = sum(len(o.prompt_token_ids) for o in outputs)
     num_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    steps = recorder.summary() if recorder is not None else {}
-    missing = None if data_parallel else 0  # per-replica statistics: not collected with DP
+    if recorder is None:  # the statistics stay in the replicas' processes: unknown, not zero
+        steps: dict[str, Any] = {}
+        step_stats = dict.fromkeys(("num_steps", "peak_kv_cache_usage", "peak_used_blocks", "num_preemptions"))
+    else:
+        steps = recorder.summary()
+        step_stats = {"num_steps": steps.get("num_steps", 0),
+                      "peak_kv_cache_usage": steps.get("peak_kv_cache_usage", 0.0),
+                      "peak_used_blocks": steps.get("peak_used_blocks", 0),
+                      "num_preemptions": steps.get("num_preemptions", 0)}
     result: dict[str, Any] = {
         "benchmark": "throughput",
         "engine": engine,
@@ -95,10 +102,7 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
         "input_tokens_per_s": num_in / elapsed,
         "output_tokens_per_s": num_out / elapsed,
         "total_tokens_per_s": (num_in + num_out) / elapsed,
-        "num_steps": steps.get("num_steps", missing),
-        "peak_kv_cache_usage": steps.get("peak_kv_cache_usage", None if data_parallel else 0.0),
-        "peak_used_blocks": steps.get("peak_used_blocks", missing),
-        "num_preemptions": steps.get("num_preemptions", missing),
+        **step_stats,
         "prefix_cached_tokens": sum(o.num_cached_tokens for o in outputs),
         "steps": steps,
     }
