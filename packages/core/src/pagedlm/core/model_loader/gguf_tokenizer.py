@@ -1,7 +1,9 @@
-"""The tokenizer of a GGUF file, converted once by transformers and cached next to the file.
+"""The tokenizer of a GGUF file, built once from its metadata and cached next to the file.
 
-transformers builds a fast tokenizer (vocabulary, merges, special tokens, chat template) from
-GGUF metadata, but that takes ~20 s for a 262k-token vocabulary. The result is saved with
+Gemma 3 files are built by :mod:`gguf_spm_tokenizer` (``tokenizers`` alone: transformers'
+conversion of them depends on its release, and some releases get it wrong); other files go through
+transformers, which builds a fast tokenizer (vocabulary, merges, special tokens, chat template)
+from GGUF metadata. Either takes seconds to tens of seconds for a 262k-token vocabulary. The result is saved with
 ``save_pretrained`` into ``<file stem>.pagedlm-tokenizer/`` beside the GGUF file (or, where that
 directory is not writable, under the pagedlm cache), together with a stamp of the file's size and
 mtime and the transformers version; later starts load that directory in well under a second and
@@ -26,7 +28,7 @@ __all__ = ["gguf_tokenizer_cache_dir", "load_gguf_tokenizer"]
 
 _STAMP = "pagedlm-gguf-source.json"
 #: bump when the cached layout or its contents change meaning
-_FORMAT = 1
+_FORMAT = 2
 
 
 def _stamp(path: str) -> dict[str, Any]:
@@ -73,9 +75,7 @@ def load_gguf_tokenizer(path: str, **kwargs: Any) -> Any:
         return AutoTokenizer.from_pretrained(cache_dir, **kwargs)
     logger.info("converting the tokenizer of %s (once; cached in %s)", path, cache_dir)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), **kwargs
-        )
+        tokenizer = _convert(path, **kwargs)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: could not build a tokenizer from the GGUF metadata ({type(e).__name__}: {e})") from e
     try:
@@ -83,6 +83,19 @@ def load_gguf_tokenizer(path: str, **kwargs: Any) -> Any:
     except OSError as e:  # a read-only cache must not stop the model from running
         logger.warning("could not cache the tokenizer of %s in %s: %s", path, cache_dir, e)
     return tokenizer
+
+
+def _convert(path: str, **kwargs: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    from pagedlm.core.model_loader.gguf_reader import read_gguf
+    from pagedlm.core.model_loader.gguf_spm_tokenizer import build_gemma_tokenizer, uses_builtin_builder
+
+    with read_gguf(path) as gguf:
+        if uses_builtin_builder(gguf.metadata):
+            return build_gemma_tokenizer(gguf.metadata)
+    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path),
+                                         **kwargs)
 
 
 def _save(tokenizer: Any, cache_dir: str, path: str) -> None:
