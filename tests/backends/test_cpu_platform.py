@@ -153,3 +153,27 @@ def test_cpu_defaults_keep_the_engine_budget(tiny_llama):
     llm = LLM(model=tiny_llama, device="cpu")
     sc = llm.vllm_config.scheduler_config
     assert (sc.max_num_batched_tokens, sc.async_scheduling, llm.vllm_config.usage_context) == (8192, False, "llm")
+
+
+def test_peak_memory_is_reset_before_the_profiling_run(tiny_llama, monkeypatch):
+    """The KV budget counts this engine's peak, not one the process reached earlier (a model
+    since freed): the platform's peak statistics are reset right before the profiling run."""
+    from pagedlm.core import LLM
+    from pagedlm.core.worker.model_runner import ModelRunner
+
+    calls = []
+    monkeypatch.setattr(CpuPlatform, "reset_peak_memory_stats", lambda self, device: calls.append("reset"))
+    profile = ModelRunner.profile_run
+    monkeypatch.setattr(ModelRunner, "profile_run", lambda self: (calls.append("profile"), profile(self))[1])
+    LLM(model=tiny_llama, device="cpu", kv_cache_memory_bytes=32 << 20)
+    assert calls == ["reset", "profile"]
+
+
+def test_attention_backend_of_another_device_is_refused(tiny_llama, monkeypatch):
+    from pagedlm.backends.cuda.triton_attn import TritonAttentionBackend
+    from pagedlm.core import LLM
+
+    monkeypatch.setattr(TritonAttentionBackend, "supported_devices", ("cuda",))  # as without the interpreter
+    with pytest.raises(ValueError, match=r"attention_backend='triton' does not run on device='cpu' \(it supports "
+                                         r"cuda\); backends for cpu: \['cpu_paged'\]"):
+        LLM(model=tiny_llama, device="cpu", attention_backend="triton")

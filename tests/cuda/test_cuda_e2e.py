@@ -16,7 +16,7 @@ import pytest
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = [] if INTERPRET else [pytest.mark.cuda]
 MAX_NEW = 24
-ARCHS = ["qwen3", "llama"]
+ARCHS = ["qwen3", "llama", "gemma3"]
 
 
 def prompts(seed: int = 0) -> list[list[int]]:
@@ -152,3 +152,26 @@ def test_graph_padding_and_capture_sizes(tiny_checkpoints, engine_kwargs):
     three = llm.generate([{"prompt_token_ids": p} for p in prompts()[:3]], params, use_tqdm=False)
     one = llm.generate([{"prompt_token_ids": prompts()[1]}], params, use_tqdm=False)
     assert list(three[1].outputs[0].token_ids) == list(one[0].outputs[0].token_ids)
+
+
+def test_cpu_backend_on_cuda_is_refused_by_name(tiny_checkpoints, device):
+    from pagedlm.core import LLM
+
+    if device.type != "cuda":
+        pytest.skip("the interpreter runs on the CPU platform, where cpu_paged is the default")
+    with pytest.raises(ValueError, match="attention_backend='cpu_paged' does not run on device='cuda'"):
+        LLM(model=tiny_checkpoints["llama"], device="cuda", attention_backend="cpu_paged")
+
+
+def test_peak_reset_forgets_an_earlier_allocation(device):
+    import torch
+
+    from pagedlm.backends.cuda.platform import CudaPlatform
+
+    if device.type != "cuda":
+        pytest.skip("needs the CUDA allocator")
+    big = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    del big
+    assert torch.cuda.max_memory_allocated(device) >= 1 << 30
+    CudaPlatform().reset_peak_memory_stats(device)
+    assert torch.cuda.max_memory_allocated(device) < 1 << 30

@@ -115,6 +115,25 @@ def test_rotary(device, fused, dtype, neox, partial):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("base", [10000.0, 1000000.0])
+def test_rotary_gemma3_shape(device, fused, dtype, base):
+    """Gemma 3 270M's rotary: head size 256 on 4 query heads and 1 kv head, both of its RoPE bases,
+    positions far past the 512-token window."""
+    from pagedlm.core.layers.rotary import RotaryEmbedding, _default_inv_freq
+
+    head = 256
+    with torch.device(device):
+        rope = RotaryEmbedding(head, head, 4096, _default_inv_freq(base, head), is_neox_style=True)
+    positions = torch.randint(0, 4096, (11,), device=device)
+    qkv = torch.randn(11, 6 * head, device=device, dtype=dtype)
+    q, k = qkv[:, : 4 * head], qkv[:, 4 * head : 5 * head]
+    out_q, out_k = rope(positions, q, k)
+    ref_q, ref_k = reference(lambda: rope(positions, q, k))
+    assert_nearly_equal(out_q, ref_q, dtype, max_mismatch=None)
+    assert_nearly_equal(out_k, ref_k, dtype, max_mismatch=None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize(("head", "partial"), [(64, 1.0), (64, 0.5), (128, 1.0)])
 def test_qk_norm_rotary(device, fused, dtype, neox, head, partial):

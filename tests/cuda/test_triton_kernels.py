@@ -90,11 +90,13 @@ def make_case(reqs, *, block_size, num_heads, num_kv_heads, head_size, dtype, se
     return Case(common, query, torch.cat(keys), torch.cat(values), cache, slot_mapping)
 
 
-def reference(case: Case, *, num_heads, num_kv_heads, head_size, sliding_window=None, soft_cap=None) -> torch.Tensor:
+def reference(case: Case, *, num_heads, num_kv_heads, head_size, sliding_window=None, soft_cap=None,
+              scale=None) -> torch.Tensor:
     """``cpu_paged`` in float32 on the same batch (explicit path when soft-capped)."""
     from pagedlm.backends.cpu.attention import CpuAttentionMetadataBuilder, CpuPagedAttentionImpl
 
-    impl = CpuPagedAttentionImpl(num_heads=num_heads, head_size=head_size, scale=head_size**-0.5,
+    scale = head_size**-0.5 if scale is None else scale
+    impl = CpuPagedAttentionImpl(num_heads=num_heads, head_size=head_size, scale=scale,
                                  num_kv_heads=num_kv_heads, sliding_window=sliding_window, logits_soft_cap=soft_cap)
     block_size = case.kv_cache.shape[2]
     meta = CpuAttentionMetadataBuilder(block_size=block_size, device=torch.device("cpu")).build(case.common)
@@ -114,7 +116,7 @@ def to_device(common: CommonAttentionMetadata, device: torch.device) -> CommonAt
 
 
 def run_triton(case: Case, device, *, num_heads, num_kv_heads, head_size, sliding_window=None, soft_cap=None,
-               num_splits=None, config=None, req_order=None):
+               num_splits=None, config=None, req_order=None, scale=None):
     from pagedlm.backends.cuda.triton_attn import TritonAttentionImpl, TritonAttentionMetadataBuilder
 
     builder = TritonAttentionMetadataBuilder(block_size=case.kv_cache.shape[2], device=device)
@@ -124,7 +126,8 @@ def run_triton(case: Case, device, *, num_heads, num_kv_heads, head_size, slidin
         meta.num_splits = num_splits
     if req_order is not None:
         meta.req_order = req_order.to(device=device, dtype=torch.int32)
-    impl = TritonAttentionImpl(num_heads=num_heads, head_size=head_size, scale=head_size**-0.5,
+    scale = head_size**-0.5 if scale is None else scale
+    impl = TritonAttentionImpl(num_heads=num_heads, head_size=head_size, scale=scale,
                                num_kv_heads=num_kv_heads, sliding_window=sliding_window, logits_soft_cap=soft_cap)
     impl.kernel_config = config
     cache = case.kv_cache.to(device)
@@ -134,7 +137,7 @@ def run_triton(case: Case, device, *, num_heads, num_kv_heads, head_size, slidin
 
 def check(case: Case, device, dtype, *, num_heads, num_kv_heads, head_size, **kwargs):
     shape = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size)
-    ref_kwargs = {k: v for k, v in kwargs.items() if k in ("sliding_window", "soft_cap")}
+    ref_kwargs = {k: v for k, v in kwargs.items() if k in ("sliding_window", "soft_cap", "scale")}
     out, cache, meta = run_triton(case, device, **shape, **kwargs)
     assert out.dtype == dtype and out.shape == case.query.shape
     assert torch.isfinite(out).all(), "non-finite output: a kernel read outside a request's context"
@@ -208,6 +211,19 @@ def test_sliding_window(device, sliding_window, dtype):
     shape = dict(num_heads=8, num_kv_heads=2, head_size=32)
     case = make_case(MIXED, block_size=16, dtype=dtype, seed=7, **shape)
     check(case, device, dtype, sliding_window=sliding_window, **shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("sliding_window", [None, 512])
+@pytest.mark.parametrize("num_splits", [None, 4])
+def test_gemma3_270m_shape(device, sliding_window, num_splits, dtype):
+    """Gemma 3 270M's attention exactly: 4 query heads on 1 kv head of size 256, scores scaled by
+    ``query_pre_attn_scalar ** -0.5`` (256 there; 192 here so a kernel using ``head_dim`` fails),
+    local layers' 512-token window over contexts longer than it, prefill chunks and decodes mixed."""
+    shape = dict(num_heads=4, num_kv_heads=1, head_size=256)
+    reqs = [(0, 9), (600, 1), (530, 7), (3, 1)] if not INTERPRET else [(0, 5), (520, 1), (3, 2)]
+    case = make_case(reqs, block_size=16, dtype=dtype, seed=27, **shape)
+    check(case, device, dtype, **shape, scale=192**-0.5, sliding_window=sliding_window, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("sliding_window", [None, 6])

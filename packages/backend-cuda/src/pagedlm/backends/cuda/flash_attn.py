@@ -91,6 +91,7 @@ class FlashAttentionBackend(AttentionBackend):
     name = "flash_attn"
     supported_dtypes = (torch.float16, torch.bfloat16)
     supported_head_sizes = (32, 64, 96, 128, 160, 192, 224, 256)
+    supported_devices = ("cuda",)
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:

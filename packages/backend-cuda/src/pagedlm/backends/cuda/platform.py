@@ -83,10 +83,14 @@ class CudaPlatform(Platform):
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
 
+    def reset_peak_memory_stats(self, device: torch.device) -> None:
+        torch.cuda.reset_peak_memory_stats(device)
+
     def kv_cache_memory_bytes(self, vllm_config: VllmConfig, device: torch.device) -> int:
         """Bytes for the KV cache: ``total * gpu_memory_utilization`` minus what is in use.
 
-        Called after the weights are loaded and the runner's profiling forward pass has run.
+        Called after the weights are loaded and the runner's profiling forward pass has run, with
+        the peak statistics reset just before that pass (:meth:`reset_peak_memory_stats`).
         "In use" is memory outside torch's allocator (other processes, the CUDA context, NCCL
         buffers) plus torch's allocation peak (weights + the profiling pass's activations, which
         every step of the same size needs again). Counting the peak rather than the current use

@@ -16,7 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedlm.backends.cuda.kernels.paged_attention import choose_num_splits, paged_attention, write_kv_cache
+from pagedlm.backends.cuda.kernels.paged_attention import (
+    INTERPRET,
+    choose_num_splits,
+    paged_attention,
+    write_kv_cache,
+)
 from pagedlm.core.attention import (
     AttentionBackend,
     AttentionImpl,
@@ -157,6 +162,8 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     supported_head_sizes = tuple(range(8, 257, 8))
+    #: the CPU too under Triton's interpreter (kernel tests without a GPU)
+    supported_devices = ("cuda", "cpu") if INTERPRET else ("cuda",)
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:

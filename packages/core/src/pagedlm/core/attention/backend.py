@@ -108,6 +108,8 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any
+    #: platform names (``device=``) whose runner can drive this backend; None: any
+    supported_devices: ClassVar[tuple[str, ...] | None] = None
 
     @staticmethod
     @abstractmethod

@@ -59,5 +59,10 @@ class Platform:
     def empty_cache(self) -> None:
         """Return cached allocator memory to the device (no-op on the CPU)."""
 
+    def reset_peak_memory_stats(self, device: torch.device) -> None:
+        """Start the allocator's peak-memory count afresh (before the profiling run), so what the
+        process allocated and freed earlier (another model, a notebook's work) is not counted as
+        this engine's peak (no-op on the CPU)."""
+
     def memory_summary(self) -> str:
         return ""

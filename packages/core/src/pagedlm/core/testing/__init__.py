@@ -19,6 +19,7 @@ from pagedlm.core.testing.checkpoints import (
     make_tiny_checkpoint,
     top2_gaps,
 )
+from pagedlm.core.testing.gguf_reference import GEMMA3_270M_PROMPTS, hf_gguf_greedy, load_hf_gguf_model
 from pagedlm.core.testing.hf_reference import (
     HFGreedyResult,
     assert_greedy_matches_hf,
@@ -41,6 +42,7 @@ __all__ = [
     "BOS_ID",
     "CHAT_TEMPLATE",
     "EOS_ID",
+    "GEMMA3_270M_PROMPTS",
     "HFGreedyResult",
     "HF_CLASSES",
     "PAD_ID",
@@ -49,7 +51,9 @@ __all__ = [
     "assert_greedy_matches_hf",
     "build_bpe_tokenizer",
     "compare_greedy",
+    "hf_gguf_greedy",
     "hf_greedy",
+    "load_hf_gguf_model",
     "make_dummy_config_dir",
     "make_tiny_checkpoint",
     "top2_gaps",

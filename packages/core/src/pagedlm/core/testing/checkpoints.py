@@ -26,8 +26,8 @@ from typing import Any, Literal
 
 from pagedlm.core.testing.tokenizer import BOS_ID, EOS_ID, MIN_VOCAB_SIZE, PAD_ID, build_bpe_tokenizer
 
-Arch = Literal["llama", "mistral", "qwen2", "qwen3"]
-ARCHITECTURES: tuple[Arch, ...] = ("llama", "mistral", "qwen2", "qwen3")
+Arch = Literal["llama", "mistral", "qwen2", "qwen3", "gemma3"]
+ARCHITECTURES: tuple[Arch, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
 #: arch -> (config class name, HF ``architectures`` entry), both in ``transformers``
 HF_CLASSES: dict[str, tuple[str, str]] = {
@@ -35,11 +35,20 @@ HF_CLASSES: dict[str, tuple[str, str]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
+
+#: Gemma 3's shape where a backend can get it wrong: the head size of every real Gemma 3 (256),
+#: a score scale unlike ``head_dim ** -0.5``, and a window short enough that test prompts slide it
+GEMMA3_HEAD_DIM = 256
+GEMMA3_QUERY_PRE_ATTN_SCALAR = 192
+GEMMA3_SLIDING_WINDOW = 8
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 # Realistic, non-default RoPE bases: an engine that ignores config.json's theta and falls back to
 # 10000 produces different logits and fails the HF comparison.
-_ROPE_THETA: dict[str, float] = {"llama": 500000.0, "mistral": 1000000.0, "qwen2": 1000000.0, "qwen3": 1000000.0}
+_ROPE_THETA: dict[str, float] = {"llama": 500000.0, "mistral": 1000000.0, "qwen2": 1000000.0, "qwen3": 1000000.0,
+                                  "gemma3": 1000000.0}
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -73,6 +82,8 @@ def _config(
         raise ValueError(f"dtype={dtype!r} is not one of {', '.join(_DTYPES)}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    if head_dim is None and arch == "gemma3":
+        head_dim = GEMMA3_HEAD_DIM
     if head_dim is None:
         # Qwen3 decouples head_dim from hidden_size/num_heads (real ones use 128 with any width);
         # doubling it here exercises an engine's handling of q_proj wider than the hidden size.
@@ -102,6 +113,16 @@ def _config(
         kwargs["sliding_window"] = None
     if arch in ("qwen2", "qwen3"):
         kwargs["use_sliding_window"] = False
+    if arch == "gemma3":
+        # Every second layer global, the rest sliding (the real models use five local to one global;
+        # two layers must have both kinds). Each kind has its own RoPE base.
+        kwargs.update(
+            hidden_activation="gelu_pytorch_tanh", sliding_window=GEMMA3_SLIDING_WINDOW,
+            layer_types=["full_attention" if (i + 1) % 2 == 0 else "sliding_attention" for i in range(num_layers)],
+            rope_local_base_freq=GEMMA3_LOCAL_ROPE_THETA, query_pre_attn_scalar=GEMMA3_QUERY_PRE_ATTN_SCALAR,
+            final_logit_softcapping=None,
+        )
+        del kwargs["hidden_act"]
     config = getattr(transformers, config_cls_name)(**kwargs)
     config.dtype = dtype  # written as "dtype" (5.x) or "torch_dtype" (4.x); _write_config_json adds the other
     return config
@@ -133,6 +154,7 @@ def make_dummy_config_dir(out_dir: str | os.PathLike[str], arch: Arch, **hyper: 
 
 def _rope_theta_of(config) -> float:
     params = getattr(config, "rope_parameters", None) or {}
+    params = params.get("full_attention", params)  # per layer type (Gemma 3 under transformers 5)
     return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
@@ -147,6 +169,8 @@ def _reinitialise(model, *, seed: int, logit_scale: float, tied: bool) -> None:
     # Tied: the output layer scores each token by its own embedding, so a large embedding makes
     # the model predict whatever token it was just fed. A small one leaves the layers in charge.
     embed_std = 1.0 / (2.0 * math.sqrt(hidden)) if tied else 1.0
+    if getattr(model.config, "model_type", "").startswith("gemma"):
+        embed_std /= math.sqrt(hidden)  # Gemma multiplies embeddings by sqrt(hidden) itself
     with torch.no_grad():
         for name in sorted(params):
             p = params[name]
@@ -219,7 +243,10 @@ def make_tiny_checkpoint(
     tokenizer whose vocabulary is exactly ``vocab_size``. Weights are saved in ``dtype``. The same
     arguments always give the same weights. ``head_dim`` defaults to hidden_size // num_heads
     (twice that for qwen3, as real Qwen3 models decouple the two); ``rope_theta`` defaults to the
-    architecture's usual base (not 10000). Qwen2 has q/k/v biases, Qwen3 has q/k norms.
+    architecture's usual base (not 10000). Qwen2 has q/k/v biases, Qwen3 has q/k norms. Gemma 3
+    has head size 256 by default, ``query_pre_attn_scalar`` 192, GELU-tanh, q/k norms, zero-centred
+    norms (``1 + w``), a sqrt(hidden) embedding scale and alternating sliding-window (8 tokens, RoPE
+    base 10k) and global layers (RoPE base 1M).
     """
     import torch
     import transformers

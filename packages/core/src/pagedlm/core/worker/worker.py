@@ -70,6 +70,9 @@ class Worker:
         override = self.vllm_config.cache_config.num_gpu_blocks_override
         if override is not None:
             return override
+        # NOTE: the peak must be this engine's (weights + the profiling pass, plus whatever else is
+        # still allocated), not a peak the process reached before, e.g. under a model since freed.
+        self.platform.reset_peak_memory_stats(self.device)
         self.model_runner.profile_run()
         budget = self.platform.kv_cache_memory_bytes(self.vllm_config, self.device)
         return max(budget // self.kv_cache_bytes_per_block(), 0)

@@ -47,7 +47,7 @@ __all__ = ["paged_attention", "write_kv_cache", "choose_num_splits"]
 _LOG2E = tl.constexpr(1.4426950408889634)
 # Triton 3.6's interpreter computes bf16 tl.dot wrongly (garbage, seen on CPU); under it the dots
 # take float32 copies of the same bf16 values instead. Never set on a GPU.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -351,7 +351,7 @@ def paged_attention(
         USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=sliding_window is not None,
         # fp32 models are the HF-parity configuration: no tf32 rounding in the dots there
         DOT_PRECISION="ieee" if fp32 else "tf32",
-        UPCAST_DOTS=_INTERPRET and query.dtype == torch.bfloat16,
+        UPCAST_DOTS=INTERPRET and query.dtype == torch.bfloat16,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
