@@ -177,3 +177,47 @@ def test_attention_backend_of_another_device_is_refused(tiny_llama, monkeypatch)
     with pytest.raises(ValueError, match=r"attention_backend='triton' does not run on device='cpu' \(it supports "
                                          r"cuda\); backends for cpu: \['cpu_paged'\]"):
         LLM(model=tiny_llama, device="cpu", attention_backend="triton")
+
+
+def test_cuda_probe_refuses_rocm_builds(monkeypatch):
+    """A ROCm torch answers torch.cuda calls for AMD GPUs; those belong to another platform."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", "6.2.0", raising=False)
+    assert cuda_plugin.cuda_is_available() is False
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    assert cuda_plugin.cuda_is_available() is True
+
+
+def test_platform_services_are_declared_by_each_platform():
+    from pagedlm.backends.cuda.platform import CudaPlatform
+
+    cpu, cuda = CpuPlatform(), CudaPlatform()
+    assert (cpu.ray_device_key, cuda.ray_device_key) == ("CPU", "GPU")
+    assert (cpu.visible_devices_env_var, cuda.visible_devices_env_var) == (None, "CUDA_VISIBLE_DEVICES")
+    assert cpu.is_pin_memory_available() is False and cuda.is_pin_memory_available() is True
+    assert cpu.record_event() is None and cpu.allocated_memory_bytes(torch.device("cpu")) is None
+    assert (cpu.profiler_activity, cuda.profiler_activity) == (None, "CUDA")
+
+
+def test_core_asks_the_platform_instead_of_testing_device_types():
+    """No core module tests a device-type string or calls torch.cuda: that is the platforms' job.
+    Host memory is named through ``pagedlm.core.platforms.HOST``."""
+    import re
+    from pathlib import Path
+
+    import pagedlm.core
+
+    root = Path(pagedlm.core.__file__).parent
+    # the interface's own defaults, and docstrings/comments that name devices as examples
+    allowed = {"platforms/interface.py"}
+    pattern = re.compile(r'"cuda"|"cpu"|torch\.cuda')
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel in allowed or rel.startswith("testing/"):
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if pattern.search(code) and not code.strip().startswith(("``", '"""')) and "``" not in code:
+                offenders.append(f"{rel}:{number}: {line.strip()}")
+    assert not offenders, "device-type tests in core:\n" + "\n".join(offenders)

@@ -1,7 +1,8 @@
 """Every environment variable pagedlm reads, in one place.
 
-NOTE: nothing else in the code base calls ``os.environ`` for pagedlm settings; read them here
-so that the full list stays discoverable (docs/configuration.md mirrors this module).
+NOTE: nothing else in core calls ``os.environ`` for pagedlm settings; read them here so that the
+full list stays discoverable (docs/configuration.md mirrors this module). A backend's own settings
+(``PAGEDLM_CPU_KVCACHE_SPACE``) live in that backend's platform module.
 """
 
 from __future__ import annotations
@@ -20,12 +21,6 @@ def plugins_allow_list() -> list[str] | None:
 def disable_plugin_autoload() -> bool:
     """``PAGEDLM_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry points (only registered objects)."""
     return os.environ.get("PAGEDLM_DISABLE_PLUGIN_AUTOLOAD", "0").lower() in ("1", "true", "yes")
-
-
-def cpu_kv_cache_space_gib() -> float | None:
-    """``PAGEDLM_CPU_KVCACHE_SPACE``: GiB of host memory for the KV cache on the CPU platform."""
-    value = os.environ.get("PAGEDLM_CPU_KVCACHE_SPACE")
-    return float(value) if value else None
 
 
 def cache_root() -> str:

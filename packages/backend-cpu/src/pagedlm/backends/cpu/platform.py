@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedlm.core import envs
 from pagedlm.core.logger import init_logger
 from pagedlm.core.platforms import Platform
 
@@ -36,6 +35,12 @@ class CpuPlatform(Platform):
     def get_attn_backend_name(self, vllm_config: VllmConfig) -> str:
         return "cpu_paged"
 
+    def configure_threads(self, ranks_on_host: int) -> None:
+        # Ranks of one host share its cores; torch's default (all cores per process) would
+        # oversubscribe them and make every collective wait on descheduled peers.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // max(1, ranks_on_host)))
+
     def check_and_update_config(self, vllm_config: VllmConfig) -> None:
         # There are no device graphs on the CPU: every step runs eagerly.
         if not vllm_config.enforce_eager:
@@ -52,7 +57,7 @@ class CpuPlatform(Platform):
         requested = vllm_config.cache_config.kv_cache_memory_bytes
         source = "cache_config.kv_cache_memory_bytes"
         if requested is None:
-            env_gib = envs.cpu_kv_cache_space_gib()
+            env_gib = kv_cache_space_gib()
             if env_gib is not None:
                 requested, source = int(env_gib * GiB), "PAGEDLM_CPU_KVCACHE_SPACE"
             else:
@@ -76,6 +81,16 @@ class CpuPlatform(Platform):
         if available is None:
             return "available host memory: unknown"
         return f"available host memory: {available / GiB:.2f} GiB"
+
+
+def kv_cache_space_gib() -> float | None:
+    """``PAGEDLM_CPU_KVCACHE_SPACE``: GiB of host memory for the KV cache on this platform.
+
+    NOTE: read here, not in ``pagedlm.core.envs``: it is this backend's setting (docs/configuration.md
+    lists it with the backend's name).
+    """
+    value = os.environ.get("PAGEDLM_CPU_KVCACHE_SPACE")
+    return float(value) if value else None
 
 
 def available_host_memory_bytes() -> int | None:

@@ -75,6 +75,7 @@ class CudaModelRunner(ModelRunner):
         self.max_num_tokens = max(int(sc.max_num_batched_tokens or 8192), self.max_num_reqs)
         self.max_blocks = self.input_batch.max_blocks_per_req
         on_cuda = device.type == "cuda"
+        pin = self.platform.is_pin_memory_available()
         # int64 elements: token data, request data (4 int32 segments: 2 int64 per _req_stride),
         # fed-token indices
         step_len = 3 * _tok_stride(self.max_num_tokens) + 2 * _req_stride(self.max_num_reqs) \
@@ -88,12 +89,12 @@ class CudaModelRunner(ModelRunner):
         # step after next may: its inputs are staged after the engine waited for step N's tokens,
         # which the device produced after step N's copies.)
         self._staging = [
-            (torch.zeros(step_len, dtype=torch.int64, pin_memory=on_cuda),
-             torch.zeros(self.max_num_reqs * self.max_blocks, dtype=torch.int32, pin_memory=on_cuda))
+            (torch.zeros(step_len, dtype=torch.int64, pin_memory=pin),
+             torch.zeros(self.max_num_reqs * self.max_blocks, dtype=torch.int32, pin_memory=pin))
             for _ in range(2)
         ]
         self._num_staged = 0
-        self._sampled_host = [torch.zeros(self.max_num_reqs, dtype=torch.int64, pin_memory=on_cuda) for _ in range(2)]
+        self._sampled_host = [torch.zeros(self.max_num_reqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._copy_events = [torch.cuda.Event() for _ in range(2)] if on_cuda else []
         self._num_copies = 0
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import functools
 
-from pagedlm.core.platforms.interface import Platform
+from pagedlm.core.platforms.interface import HOST, Platform
 from pagedlm.core.plugins import get_plugins, resolve_class_path
 
-__all__ = ["Platform", "resolve_platform", "available_platforms"]
+__all__ = ["HOST", "Platform", "resolve_platform", "available_platforms"]
 
 
 def available_platforms() -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -12,6 +14,7 @@ from pagedlm.core.distributed import get_pp_group, pp_forward
 from pagedlm.core.forward_context import set_forward_context
 from pagedlm.core.logger import init_logger
 from pagedlm.core.model_loader import load_model
+from pagedlm.core.platforms import HOST, resolve_platform
 from pagedlm.core.sample import (
     LogprobsTensors,
     Sampler,
@@ -41,7 +44,7 @@ class AsyncModelRunnerOutput:
     def __init__(self, req_ids: list[str], prompt_logprobs: dict[str, LogprobsLists], *,
                  input_batch: InputBatch | None = None, sample_indices: np.ndarray | None = None,
                  sample_states: list | None = None, token_ids_host: torch.Tensor | None = None,
-                 event: torch.cuda.Event | None = None, logprobs: LogprobsTensors | None = None) -> None:
+                 event: Any | None = None, logprobs: LogprobsTensors | None = None) -> None:
         self.req_ids = req_ids
         self._prompt_logprobs = prompt_logprobs
         self._input_batch = input_batch
@@ -91,6 +94,7 @@ class ModelRunner:
     def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
         self.vllm_config = vllm_config
         self.device = device
+        self.platform = resolve_platform(vllm_config.device_config.device)
         mc = vllm_config.model_config
         self.dtype: torch.dtype = mc.dtype  # type: ignore[assignment]
         self.block_size = vllm_config.cache_config.block_size
@@ -235,15 +239,13 @@ class ModelRunner:
         assert sampled is not None
         input_ids.index_copy_(0, dst, sampled.index_select(0, src))
 
-    def copy_to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def copy_to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any | None]:
         """Start copying ``tensor`` to the host without waiting; returns (host tensor, event to
         wait on before reading it, or None when it is readable at once)."""
-        if self.device.type != "cuda":
-            return tensor.to("cpu"), None
-        host = tensor.to("cpu", non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
+        if not self.platform.is_pin_memory_available():
+            return tensor.to(HOST), None
+        host = tensor.to(HOST, non_blocking=True)
+        return host, self.platform.record_event()
 
     def profile_run(self) -> None:
         """Run the largest step the engine will schedule, before the KV cache exists, so the
