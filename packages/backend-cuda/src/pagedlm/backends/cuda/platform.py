@@ -26,8 +26,6 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 GiB = 1 << 30
-#: flash-attn 2's paged kernels need the page (block) size to be a multiple of this
-FLASH_ATTN_BLOCK_MULTIPLE = 256
 
 
 def flash_attn_importable() -> bool:
@@ -68,13 +66,9 @@ class CudaPlatform(Platform):
     def check_and_update_config(self, vllm_config: VllmConfig) -> None:
         if vllm_config.attention_backend != "flash_attn":
             return
+        # (its block-size rule is the backend's own declaration, checked when the runner starts)
         if not flash_attn_importable():
             raise ValueError("attention_backend='flash_attn' needs the flash_attn package (pip install flash-attn)")
-        if vllm_config.cache_config.block_size % FLASH_ATTN_BLOCK_MULTIPLE:
-            raise ValueError(
-                f"attention_backend='flash_attn' needs block_size to be a multiple of {FLASH_ATTN_BLOCK_MULTIPLE} "
-                f"(its paged kernels' page size); got block_size={vllm_config.cache_config.block_size}"
-            )
 
     def set_device(self, local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank)

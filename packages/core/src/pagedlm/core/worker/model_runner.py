@@ -100,7 +100,7 @@ class ModelRunner:
         self.block_size = vllm_config.cache_config.block_size
         self.max_model_len = vllm_config.max_model_len
         self.attn_backend: type[AttentionBackend] = get_attn_backend_cls(vllm_config)
-        self.attn_backend.validate(head_size=mc.head_dim, dtype=self.dtype)
+        self.attn_backend.validate(head_size=mc.head_dim, dtype=self.dtype, block_size=self.block_size)
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
         self.attention_layers: dict = {}
