@@ -19,7 +19,7 @@ def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
     """``start_server(model, *cli_args, api_key=...)`` -> a ready server, stopped at session end."""
     servers: list[ServerProcess] = []
 
-    def start(model: str, *args: str, wait: bool = True, **kwargs: Any) -> ServerProcess:
+    def start(model: str | None, *args: str, wait: bool = True, **kwargs: Any) -> ServerProcess:
         log = tmp_path_factory.mktemp("server") / "server.log"
         server = ServerProcess(model, log, *args, **kwargs)
         servers.append(server)

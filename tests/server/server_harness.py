@@ -34,13 +34,14 @@ def free_port() -> int:
 class ServerProcess:
     """A `pagedlm serve` child process with its log in a file."""
 
-    def __init__(self, model: str, log_path: Path, *args: str, api_key: str | None = API_KEY,
+    def __init__(self, model: str | None, log_path: Path, *args: str, api_key: str | None = API_KEY,
                  env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "pagedlm.core.cli", "serve", model, "--port", str(self.port),
+        # no model: `pagedlm serve` serves the default model
+        cmd = [sys.executable, "-m", "pagedlm.core.cli", "serve", *([model] if model else []), "--port", str(self.port),
                "--device", "cpu", "--dtype", "float32", "--log-stats-interval", "1", *args]
         if api_key:
             cmd += ["--api-key", api_key]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -180,10 +181,14 @@ class ModelConfig:
                 return value
         return 2048
 
-    def resolve_dtype(self, platform_default: torch.dtype, supported: tuple[torch.dtype, ...]) -> torch.dtype:
-        """``"auto"``: the checkpoint's dtype, or the platform default for fp32 checkpoints."""
+    def resolve_dtype(self, platform_default: torch.dtype, supported: tuple[torch.dtype, ...],
+                      auto: Callable[[torch.dtype], torch.dtype] | None = None) -> torch.dtype:
+        """``"auto"``: ``auto(checkpoint dtype)`` (the platform's choice) when given, else the
+        checkpoint's dtype, or the platform default for fp32 checkpoints."""
         if isinstance(self.dtype, torch.dtype):
             dtype = self.dtype
+        elif self.dtype == "auto" and auto is not None:
+            dtype = auto(self.config_dtype)
         elif self.dtype == "auto":
             dtype = self.config_dtype if self.config_dtype != torch.float32 else platform_default
         else:
@@ -356,7 +361,7 @@ class VllmConfig:
         if sc.max_num_batched_tokens is None and sc.enable_chunked_prefill:
             sc.max_num_batched_tokens = platform.default_max_num_batched_tokens(self.usage_context)
         if mc.hf_config is not None:
-            mc.resolve_dtype(platform.default_dtype, platform.supported_dtypes)
+            mc.resolve_dtype(platform.default_dtype, platform.supported_dtypes, platform.auto_dtype)
             self.scheduler_config.finalize(int(mc.max_model_len or 2048))
         else:
             self.scheduler_config.finalize(self.scheduler_config.max_model_len)

@@ -47,7 +47,7 @@ class LLMEngine:
         if not mc.skip_tokenizer_init:
             assert mc.tokenizer is not None
             self.tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code,
-                                           revision=mc.revision)
+                                           revision=mc.revision, architectures=mc.architectures)
         if vllm_config.parallel_config.data_parallel_size > 1:
             from pagedlm.core.engine.dp_client import DPClient
 

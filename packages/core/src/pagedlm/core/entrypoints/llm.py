@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pagedlm.core.engine.arg_utils import EngineArgs
@@ -48,7 +48,9 @@ class LLM:
             # ValueError saying how to install it or pass model=.
             from pagedlm.core.default_model import resolve_default_model
 
-            model, _ = resolve_default_model()
+            model, offer = resolve_default_model()
+            if offer.served_name and "served_model_name" not in kwargs:
+                kwargs["served_model_name"] = offer.served_name
         engine_args = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
             block_size=block_size, enable_prefix_caching=enable_prefix_caching,
@@ -105,6 +107,8 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations (OpenAI-style messages)."""
+        from jinja2 import TemplateError
+
         tokenizer = self.get_tokenizer()
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts: list[PromptType] = []
@@ -114,8 +118,12 @@ class LLM:
                     conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                     tokenize=True, return_dict=False,
                 )
-            except ValueError as e:
-                raise ValueError(f"cannot apply the chat template: {e}") from e
+            except (ValueError, TemplateError) as e:  # a template's raise_exception is a TemplateError
+                hint = ""
+                if chat_template is None and not getattr(tokenizer, "chat_template", None):
+                    hint = ("; this model's tokenizer has none: pass LLM.chat(..., chat_template=JINJA) "
+                            "(pagedlm serve: --chat-template FILE)")
+                raise ValueError(f"cannot apply the chat template: {e}{hint}") from e
             if isinstance(token_ids, dict) or hasattr(token_ids, "input_ids"):
                 token_ids = token_ids["input_ids"]
             text = tokenizer.decode(token_ids)
@@ -123,6 +131,48 @@ class LLM:
         if sampling_params is None:
             sampling_params = SamplingParams()
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def generate_streamed(
+        self, prompts: Sequence[str], sampling_params: SamplingParams, *, stream: bool = True
+    ) -> Iterator[tuple[str, Iterator[str]]]:
+        """``(prompt, its text pieces)`` per prompt, in order, all prompts running as one batch.
+
+        With ``stream`` the first unfinished prompt's pieces come as its tokens are detokenized
+        (what ``pagedlm generate`` prints); later prompts' text collects meanwhile and comes when
+        their turn does. Without it each prompt's text is one piece once it is done. Every
+        request is aborted if the caller stops early.
+        """
+        engine = self.llm_engine
+        processed = [engine.processor.process(str(next(self._request_counter)), p, sampling_params)
+                     for p in prompts]
+        for core_request, _ in processed:
+            core_request.sampling_params.output_kind = (RequestOutputKind.DELTA if stream
+                                                        else RequestOutputKind.FINAL_ONLY)
+        ids = [core_request.request_id for core_request, _ in processed]
+        pending: dict[str, list[str]] = {r: [] for r in ids}
+        done: set[str] = set()
+        for core_request, text in processed:
+            engine.add_processed_request(core_request, text)
+
+        def step() -> None:
+            for output in engine.step():
+                pending[output.request_id].append(output.outputs[0].text)
+                if output.finished:
+                    done.add(output.request_id)
+
+        def pieces(request_id: str) -> Iterator[str]:
+            while True:
+                while pending[request_id]:
+                    yield pending[request_id].pop(0)
+                if request_id in done:
+                    return
+                step()
+
+        try:
+            for prompt, request_id in zip(prompts, ids):
+                yield prompt, pieces(request_id)
+        finally:
+            engine.abort_request([r for r in ids if r not in done])
 
     def _run(
         self, prompts: list[PromptType], params_list: list[SamplingParams], *, use_tqdm: bool

@@ -43,6 +43,11 @@ class Platform:
     #: the ``torch.profiler.ProfilerActivity`` member of this device's kernels; None: host only
     profiler_activity: str | None = None
 
+    def auto_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        """The model dtype for ``dtype="auto"``: the checkpoint's, or the platform default for
+        float32 checkpoints."""
+        return checkpoint_dtype if checkpoint_dtype != torch.float32 else self.default_dtype
+
     def get_attn_backend_name(self, vllm_config: VllmConfig) -> str:
         """Name of the attention backend to use (a key of the attention-backend registry)."""
         raise NotImplementedError
