@@ -8,6 +8,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedlm.core import envs
 from pagedlm.core.config import (
     CacheConfig,
     DeviceConfig,
@@ -46,7 +47,12 @@ _HELP = {
     "served_model_name": "model name reported in outputs and by the server",
     "attention_backend": "force an attention backend by its registered name",
     "enforce_eager": "never capture device graphs",
+    "tokenizer_mode": "vLLM's option: 'auto' or 'hf' (both the fast HF tokenizer; other modes are refused)",
+    "config_format": "vLLM's option: 'auto' or 'hf' (config.json, or a GGUF file's metadata)",
 }
+
+#: the values of vLLM's options that mean what pagedlm does anyway
+_ACCEPTED = {"tokenizer_mode": ("auto", "hf"), "config_format": ("auto", "hf")}
 
 
 @dataclass
@@ -76,6 +82,8 @@ class EngineArgs:
     served_model_name: str | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
+    tokenizer_mode: str = "auto"
+    config_format: str = "auto"
     additional_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -83,6 +91,10 @@ class EngineArgs:
         return [f.name for f in dataclasses.fields(cls)]
 
     def create_vllm_config(self) -> VllmConfig:
+        for name, allowed in _ACCEPTED.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported; allowed: {', '.join(allowed)}")
+        envs.check_vllm_environment()
         return VllmConfig(
             model_config=ModelConfig(
                 model=self.model,
@@ -122,8 +134,10 @@ class EngineArgs:
 
     # -- command line -------------------------------------------------------------------------
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ("additional_config",)) -> None:
-        """Add ``--model``, ``--max-model-len``, ... (one option per field) to ``parser``."""
+    def add_cli_args(cls, parser: argparse.ArgumentParser, *,
+                     skip: tuple[str, ...] = ("additional_config",)) -> argparse.ArgumentParser:
+        """Add ``--model``, ``--max-model-len``, ... (one option per field) to ``parser``; returns
+        ``parser`` (as vLLM's does, so ``parser = EngineArgs.add_cli_args(parser)`` works)."""
         group = parser.add_argument_group("engine options")
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
@@ -138,7 +152,14 @@ class EngineArgs:
             else:
                 group.add_argument(flag, type=base, default=f.default, help=_HELP.get(f.name),
                                    dest=f.name)
+        return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**{name: getattr(args, name) for name in cls.names() if hasattr(args, name)})
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's name for the engine options of ``AsyncLLM`` (``AsyncLLM.from_engine_args``): the same
+    options as :class:`EngineArgs`."""

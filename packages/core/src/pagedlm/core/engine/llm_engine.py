@@ -96,6 +96,10 @@ class LLMEngine:
         self.engine_core.abort_requests(to_abort)
         return request_outputs
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing reset) while requests hold blocks."""
+        return self.core.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 

@@ -226,7 +226,21 @@ class LLM:
         return [finished[r] for r in request_ids]
 
     def reset_prefix_cache(self) -> bool:
-        return self.llm_engine.core.reset_prefix_cache()
+        """Forget every cached prefix block (vLLM's name); False while requests hold blocks."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the sampling fields the model's generation_config.json sets
+        (temperature, top_p, top_k, min_p, repetition_penalty; ``max_new_tokens`` as ``max_tokens``),
+        as vLLM's ``LLM.get_default_sampling_params`` does."""
+        generation = self.llm_engine.vllm_config.model_config.generation_config
+        fields = {k: generation[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                  if generation.get(k) is not None}
+        if fields.get("top_k") == 0:
+            fields["top_k"] = -1  # HF's "no top-k"
+        if generation.get("max_new_tokens") is not None:
+            fields["max_tokens"] = generation["max_new_tokens"]
+        return SamplingParams(**fields)
 
     def shutdown(self) -> None:
         """Stop the engine's workers now (also happens when the object is collected)."""
