@@ -104,3 +104,21 @@ def test_vllm_environment_variables_are_never_silently_ignored(tiny_llama, monke
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     with pytest.raises(ValueError, match="VLLM_BATCH_INVARIANT is set, but pagedlm has no batch-invariant mode"):
         EngineArgs(model=tiny_llama).create_vllm_config()
+
+
+def test_get_metrics_with_vllm_reader_types(tiny_llama):
+    """vLLM's metrics example: LLM(disable_log_stats=False) ... for metric in llm.get_metrics()."""
+    from pagedlm.core import LLM, SamplingParams
+    from pagedlm.core.v1.metrics.reader import Counter, Gauge, Histogram, Vector  # noqa: F401 - vLLM's imports
+
+    llm = LLM(model=tiny_llama, device="cpu", disable_log_stats=False, kv_cache_memory_bytes=16 << 20)
+    llm.generate(["one", "two", "three"], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+    metrics = {(m.name, m.labels.get("finished_reason")): m for m in llm.get_metrics()}
+    assert metrics[("pagedlm:generation_tokens", None)].value == 15
+    assert metrics[("pagedlm:request_success", "length")].value == 3
+    assert isinstance(metrics[("pagedlm:num_requests_running", None)], Gauge)
+    assert metrics[("pagedlm:num_requests_running", None)].value == 0.0
+    ttft = metrics[("pagedlm:time_to_first_token_seconds", None)]
+    assert isinstance(ttft, Histogram) and ttft.count == 3 and ttft.buckets["+Inf"] == 3 and ttft.sum > 0
+    with pytest.raises(ValueError, match="disable_log_stats=False"):
+        LLM(model=tiny_llama, device="cpu", kv_cache_memory_bytes=16 << 20).get_metrics()

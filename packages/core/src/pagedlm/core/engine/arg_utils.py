@@ -47,6 +47,7 @@ _HELP = {
     "served_model_name": "model name reported in outputs and by the server",
     "attention_backend": "force an attention backend by its registered name",
     "enforce_eager": "never capture device graphs",
+    "disable_log_stats": "collect no request statistics (LLM.get_metrics needs them; LLM() defaults to off)",
     "tokenizer_mode": "vLLM's option: 'auto' or 'hf' (both the fast HF tokenizer; other modes are refused)",
     "config_format": "vLLM's option: 'auto' or 'hf' (config.json, or a GGUF file's metadata)",
 }
@@ -82,6 +83,7 @@ class EngineArgs:
     served_model_name: str | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
+    disable_log_stats: bool = False
     tokenizer_mode: str = "auto"
     config_format: str = "auto"
     additional_config: dict[str, Any] = field(default_factory=dict)

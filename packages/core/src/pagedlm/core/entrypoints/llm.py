@@ -10,6 +10,7 @@ from typing import Any
 from pagedlm.core.engine.arg_utils import EngineArgs
 from pagedlm.core.engine.llm_engine import LLMEngine
 from pagedlm.core.engine.processor import PromptType
+from pagedlm.core.metrics.reader import Metric
 from pagedlm.core.outputs import RequestOutput
 from pagedlm.core.sampling_params import RequestOutputKind, SamplingParams
 
@@ -43,6 +44,8 @@ class LLM:
         unknown = sorted(set(kwargs) - set(EngineArgs.names()))
         if unknown:
             raise TypeError(f"LLM() got unknown options {unknown}; allowed: {sorted(EngineArgs.names())}")
+        # NOTE: vLLM's LLM collects no request statistics unless asked (get_metrics needs them)
+        kwargs.setdefault("disable_log_stats", True)
         if model is None:
             # The default model (a plugin's offer, e.g. Gemma 3 270M); logs which one, or raises
             # ValueError saying how to install it or pass model=.
@@ -228,6 +231,11 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's name); False while requests hold blocks."""
         return self.llm_engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics as ``pagedlm.core.v1.metrics.reader`` objects (vLLM's reader
+        types: Counter, Gauge, Histogram, Vector); needs ``LLM(..., disable_log_stats=False)``."""
+        return self.llm_engine.get_metrics()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the sampling fields the model's generation_config.json sets
