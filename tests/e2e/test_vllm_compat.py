@@ -122,3 +122,24 @@ def test_get_metrics_with_vllm_reader_types(tiny_llama):
     assert isinstance(ttft, Histogram) and ttft.count == 3 and ttft.buckets["+Inf"] == 3 and ttft.sum > 0
     with pytest.raises(ValueError, match="disable_log_stats=False"):
         LLM(model=tiny_llama, device="cpu", kv_cache_memory_bytes=16 << 20).get_metrics()
+
+
+def test_hf_overrides_dict_callable_and_cli(tiny_llama, tiny_checkpoint_factory):
+    from pagedlm.core import LLM, EngineArgs
+    from pagedlm.core.utils import FlexibleArgumentParser
+
+    llm = LLM(model=tiny_llama, device="cpu", hf_overrides={"max_position_embeddings": 64},
+              kv_cache_memory_bytes=16 << 20)
+    assert llm.llm_engine.vllm_config.model_config.max_model_len == 64
+
+    def shorter_context(config):
+        config.max_position_embeddings = 32
+        return config
+
+    llm = LLM(model=tiny_llama, device="cpu", hf_overrides=shorter_context, kv_cache_memory_bytes=16 << 20)
+    assert llm.llm_engine.vllm_config.model_config.max_model_len == 32
+    gemma = tiny_checkpoint_factory("gemma3")
+    args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
+        ["--model", gemma, "--hf_overrides", '{"sliding_window": 4}'])
+    config = EngineArgs.from_cli_args(args).create_vllm_config()
+    assert config.model_config.hf_config.sliding_window == 4

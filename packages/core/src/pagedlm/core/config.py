@@ -54,6 +54,9 @@ class ModelConfig:
     revision: str | None = None
     served_model_name: str | None = None
     generation_config: dict[str, Any] = field(default_factory=dict)
+    #: vLLM's ``hf_overrides``: fields set on the loaded HF config (a nested dict updates a
+    #: sub-config such as ``text_config``), or a callable ``config -> config``
+    hf_overrides: dict[str, Any] | Callable[[Any], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -81,6 +84,8 @@ class ModelConfig:
                 self.generation_config = {**_read_generation_config(self.model), **self.generation_config}
         if self.tokenizer is None:
             self.tokenizer = self.model
+        if self.hf_config is not None and self.hf_overrides:
+            self.hf_config = _apply_hf_overrides(self.hf_config, self.hf_overrides)
         if self.hf_config is not None:
             derived = self._derived_max_model_len()
             if self.max_model_len is None:
@@ -198,6 +203,20 @@ class ModelConfig:
             raise ValueError(f"dtype={_dtype_name(dtype)} is not supported on this platform; allowed: {allowed}")
         self.dtype = dtype
         return dtype
+
+
+def _apply_hf_overrides(config: Any, overrides: dict[str, Any] | Callable[[Any], Any]) -> Any:
+    if callable(overrides):
+        return overrides(config)
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides={overrides!r} must be a dict of config fields or a callable")
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and current is not None and not isinstance(current, dict):
+            _apply_hf_overrides(current, value)  # a sub-config (text_config, vision_config, ...)
+        else:
+            setattr(config, key, value)
+    return config
 
 
 def _read_generation_config(model_dir: str) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,7 @@ _HELP = {
     "served_model_name": "model name reported in outputs and by the server",
     "attention_backend": "force an attention backend by its registered name",
     "enforce_eager": "never capture device graphs",
+    "hf_overrides": "JSON object of HF config fields to override (nested objects update sub-configs)",
     "disable_log_stats": "collect no request statistics (LLM.get_metrics needs them; LLM() defaults to off)",
     "tokenizer_mode": "vLLM's option: 'auto' or 'hf' (both the fast HF tokenizer; other modes are refused)",
     "config_format": "vLLM's option: 'auto' or 'hf' (config.json, or a GGUF file's metadata)",
@@ -84,6 +86,7 @@ class EngineArgs:
     attention_backend: str | None = None
     enforce_eager: bool = False
     disable_log_stats: bool = False
+    hf_overrides: dict[str, Any] | None = None
     tokenizer_mode: str = "auto"
     config_format: str = "auto"
     additional_config: dict[str, Any] = field(default_factory=dict)
@@ -107,6 +110,7 @@ class EngineArgs:
                 skip_tokenizer_init=self.skip_tokenizer_init,
                 trust_remote_code=self.trust_remote_code,
                 served_model_name=self.served_model_name,
+                hf_overrides=self.hf_overrides,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -152,7 +156,8 @@ class EngineArgs:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                    help=_HELP.get(f.name))
             else:
-                group.add_argument(flag, type=base, default=f.default, help=_HELP.get(f.name),
+                parse = json.loads if typing.get_origin(base) is dict else base  # JSON objects on the CLI
+                group.add_argument(flag, type=parse, default=f.default, help=_HELP.get(f.name),
                                    dest=f.name)
         return parser
 
