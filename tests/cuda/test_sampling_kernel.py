@@ -214,24 +214,20 @@ def test_vocab_not_a_multiple_of_the_tile(device):
 
 
 @pytest.fixture
-def fused_calls(device):
-    """Register the kernels for ``device`` and count (and record the dtype of) calls of the
-    fused sampler; then restore the torch path."""
-    from pagedlm.backends.cuda.kernels.layer_ops import register_cuda_layer_ops
-    from pagedlm.core.layers.custom_ops import clear_op_impls, get_op_impl, register_op_impl
+def fused_calls():
+    """Samplers built in the test bind the CUDA platform's registered ``gumbel_sample``, wrapped
+    to count (and record the dtype of) its calls."""
+    from pagedlm.core.layers import custom_ops
 
-    register_cuda_layer_ops(device.type)
-    real = get_op_impl("gumbel_sample", device.type)
-    assert real is not None
+    real = custom_ops.registered_ops("cuda")["gumbel_sample"]
     calls: list[torch.dtype] = []
 
     def counting(logits, *args):
         calls.append(logits.dtype)
         return real(logits, *args)
 
-    register_op_impl("gumbel_sample", device.type, counting)
-    yield calls
-    clear_op_impls(device.type)
+    with custom_ops.use_ops({"gumbel_sample": counting}):
+        yield calls
 
 
 def _metadata(params, vocab, device, generators=None):

@@ -21,13 +21,14 @@ import sys
 def _torch_sampler() -> None:
     from pagedlm.core.layers import custom_ops
 
-    register = custom_ops.register_op_impl
+    registered = custom_ops.registered_ops
 
-    def register_all_but_sampler(name, device_type, fn) -> None:
-        if name != "gumbel_sample":
-            register(name, device_type, fn)
+    def registered_all_but_sampler(platform_name: str) -> dict:
+        ops = registered(platform_name)
+        ops.pop("gumbel_sample", None)
+        return ops
 
-    custom_ops.register_op_impl = register_all_but_sampler
+    custom_ops.registered_ops = registered_all_but_sampler
 
 
 def _request_order() -> None:

@@ -34,17 +34,16 @@ class DefaultModel:
 
 
 def default_model_offers() -> list[DefaultModel]:
-    """Every plugin's offer, best (highest priority) first."""
+    """Every plugin's offer, best (highest priority) first; two plugins offering one name is an
+    error unless one registers it with ``override=True``."""
     from pagedlm.core.plugins import get_plugins
 
-    offers: list[DefaultModel] = []
+    def offer(name: str, resolve: str, priority: int = 0, install_hint: str | None = None,
+              served_name: str | None = None) -> tuple[str, DefaultModel]:
+        return str(name), DefaultModel(str(name), str(resolve), int(priority), install_hint, served_name)
 
-    def register(name: str, resolve: str, priority: int = 0, install_hint: str | None = None,
-                 served_name: str | None = None) -> None:
-        offers.append(DefaultModel(str(name), str(resolve), int(priority), install_hint, served_name))
-
-    get_plugins().hook.pagedlm_default_model(register=register)
-    return sorted(offers, key=lambda o: -o.priority)
+    regs = get_plugins().collect("pagedlm_default_model", offer, "default model")
+    return sorted((reg.value for reg in regs.values()), key=lambda o: -o.priority)
 
 
 def _no_model_message(hints: list[str]) -> str:

@@ -111,10 +111,6 @@ class CudaModelRunner(ModelRunner):
         for size in reversed(self.capture_sizes):
             self._pad_to[: size + 1] = size
         self.capture_time_s = 0.0
-        if on_cuda:
-            from pagedlm.backends.cuda.kernels.layer_ops import register_cuda_layer_ops
-
-            register_cuda_layer_ops("cuda")
 
     def load_model(self) -> None:
         super().load_model()

@@ -38,3 +38,14 @@ def pagedlm_register_attention_backends(register: Callable[[str, str], None]) ->
     # Class paths only: triton (and flash_attn) are imported when a backend is resolved.
     register("triton", "pagedlm.backends.cuda.triton_attn:TritonAttentionBackend")
     register("flash_attn", "pagedlm.backends.cuda.flash_attn:FlashAttentionBackend")
+
+
+_LAYER_OPS = "pagedlm.backends.cuda.kernels.layer_ops"
+
+
+@hookimpl
+def pagedlm_register_ops(register: Callable[..., None]) -> None:
+    # One Triton kernel each, imported only when a model is built on the CUDA platform.
+    for op in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "qk_norm_rotary_embedding", "silu_and_mul"):
+        register(op, "cuda", f"{_LAYER_OPS}:{op}")
+    register("gumbel_sample", "cuda", "pagedlm.backends.cuda.kernels.sampling:gumbel_sample")

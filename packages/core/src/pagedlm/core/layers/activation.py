@@ -6,17 +6,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedlm.core.layers.custom_ops import _IMPLS, get_op_impl
+from pagedlm.core.layers.custom_ops import bound_op
 
 
 class SiluAndMul(nn.Module):
     """``x [..., 2I] -> silu(x[..., :I]) * x[..., I:]``, shape ``[..., I]``."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        # the platform's kernel, if it registered one (layers.custom_ops); bound once, at build
+        self._silu_and_mul_op = bound_op("silu_and_mul")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _IMPLS:  # a platform registered a fused kernel (layers.custom_ops)
-            fused = get_op_impl("silu_and_mul", x.device.type)
-            if fused is not None:
-                return fused(x)
+        if self._silu_and_mul_op is not None:
+            return self._silu_and_mul_op(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 

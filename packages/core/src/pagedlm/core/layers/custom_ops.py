@@ -1,60 +1,128 @@
-"""Device-specific replacements for small ops (an extension point for platforms).
+"""Layer ops a platform may implement faster than core's torch code: their contracts, and binding.
 
-Core layers and the sampler compute in plain torch; that is the reference. A platform may
-register a faster implementation of an op for its device type (pagedlm-backend-cuda registers
-fused Triton kernels for ``"cuda"``); core then calls it for tensors on that device and keeps the
-torch path for every other device. A replacement must keep the contract written next to each
-name below, including dtype rounding (HF-parity tests compare greedy tokens).
+Core layers (``RMSNorm``, ``RotaryEmbedding``, ``SiluAndMul``) and the sampler compute in plain
+torch; that is the reference. A platform plugin registers faster implementations through the
+``pagedlm_register_ops`` hook as lazy ``"module:function"`` strings (pagedlm-backend-cuda
+registers fused Triton kernels for platform ``"cuda"``). An implementation must keep the contract
+of its op in :data:`OP_CONTRACTS`, dtype rounding included (HF-parity tests compare greedy tokens).
 
-- ``"rms_norm"``: ``fn(x [..., N], weight [N], eps) -> [..., N]``
-- ``"fused_add_rms_norm"``: ``fn(x, residual, weight, eps) -> (norm(x + residual), x + residual)``
-- ``"rotary_embedding"``: ``fn(positions [T], query [T, Hq*D], key [T, Hk*D] | None, cos_sin_cache
-  [max_pos, rotary_dim] float32, head_size, rotary_dim, is_neox_style) -> (query, key)``, new tensors
-- ``"silu_and_mul"``: ``fn(x [..., 2I]) -> [..., I]``
-- ``"qk_norm_rotary_embedding"``: ``fn(positions, query, key, q_weight [D], k_weight [D], eps,
-  cos_sin_cache, head_size, rotary_dim, is_neox_style) -> (query, key)``: every ``D``-sized head
-  of query and key RMS-normalised (``rms_norm`` of each head with its weight), then rotated
-  (``rotary_embedding``); new tensors
-- ``"gumbel_sample"``: ``fn(logits [B, V], temperature [B] float32, seed, offset) -> [B] int64``:
-  row ``i`` drawn from ``softmax(logits[i] / temperature[i])`` (logits in any float dtype, divided
-  in float32; ``-inf`` entries never drawn unless the whole row is ``-inf``) with noise that is a
-  function of ``(seed, offset)`` alone (equal ints, equal draws; no host sync); rows with
-  temperature below 1e-5 (greedy, 0.0 in ``SamplingMetadata``) get the argmax (lowest index wins
-  ties), as ``torch.argmax``
+Binding: a model runner resolves its platform's table once (:func:`registered_ops` imports every
+registered function) and builds the model and sampler inside :func:`use_ops`; each layer takes
+its functions in its constructor (:func:`bound_op`). A forward pass therefore makes no registry
+lookup, and models built for different platforms in one process each keep their own ops. A layer
+built outside :func:`use_ops` (most unit tests) runs core's torch code.
+
+Op names: :data:`OP_CONTRACTS` holds the contracts core's layers call; a change that adds a core
+op (fused MoE, a quantized GEMM, LoRA shrink/expand) adds its contract there and bumps the minor
+``API_VERSION``. A plugin's own layers may call ops of their own under a dotted name
+(``"myplugin.fused_gate"``), whose contract that plugin documents; any other name is an error.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from types import MappingProxyType
 from typing import Any
 
-__all__ = ["OP_NAMES", "clear_op_impls", "get_op_impl", "register_op_impl"]
+__all__ = ["LayerOp", "OP_CONTRACTS", "bound_op", "is_known_op", "registered_ops", "use_ops"]
 
-OP_NAMES = (
-    "rms_norm",
-    "fused_add_rms_norm",
-    "rotary_embedding",
-    "silu_and_mul",
-    "qk_norm_rotary_embedding",
-    "gumbel_sample",
-)
+LayerOp = Callable[..., Any]
 
-_IMPLS: dict[tuple[str, str], Callable[..., Any]] = {}
+#: op name -> its contract (mirrored, with examples, in docs/plugins.md)
+OP_CONTRACTS: Mapping[str, str] = MappingProxyType({
+    "rms_norm": (
+        "fn(x [..., N], weight [N], eps: float) -> [..., N], a new tensor in x's dtype: normalise in "
+        "float32, round to x's dtype, then multiply by weight in that dtype (HF's LlamaRMSNorm). x may "
+        "be a strided view (e.g. [T, H, D] heads of a fused projection)."
+    ),
+    "fused_add_rms_norm": (
+        "fn(x [..., N], residual [..., N], weight [N], eps) -> (rms_norm(s), s) with s = x + "
+        "residual computed in x's dtype (rounded before normalising); new tensors, inputs unchanged."
+    ),
+    "rotary_embedding": (
+        "fn(positions [T] int64, query [T, Hq*D], key [T, Hk*D] | None, cos_sin_cache [max_pos, "
+        "rotary_dim] float32 (cos | sin halves), head_size D, rotary_dim, is_neox_style: bool) -> "
+        "(query, key | None) rotated, new tensors of the input shapes and dtypes; query and key may "
+        "be strided views; cos/sin are rounded to the input dtype before the products, and the "
+        "dimensions past rotary_dim pass through."
+    ),
+    "qk_norm_rotary_embedding": (
+        "fn(positions, query, key, q_weight [D], k_weight [D], eps, cos_sin_cache, head_size, "
+        "rotary_dim, is_neox_style) -> (query, key): every D-sized head of query and key "
+        "normalised as rms_norm with its weight, then rotated as rotary_embedding; new tensors."
+    ),
+    "silu_and_mul": "fn(x [..., 2I]) -> silu(x[..., :I]) * x[..., I:], [..., I] in x's dtype; a new tensor.",
+    "gumbel_sample": (
+        "fn(logits [B, V] any float dtype, temperature [B] float32, seed: int, offset: int) -> [B] "
+        "int64: row i drawn from softmax(logits[i] / temperature[i]) (divided in float32; -inf "
+        "entries never drawn unless the whole row is -inf) with noise that is a function of (seed, "
+        "offset) alone (equal ints, equal draws; no host sync); rows with temperature below 1e-5 "
+        "get the argmax (lowest index wins ties, as torch.argmax). logits are not modified."
+    ),
+})
+
+_NO_OPS: Mapping[str, LayerOp] = MappingProxyType({})
+#: the table layers bind while a model is built (use_ops)
+_building: Mapping[str, LayerOp] = _NO_OPS
 
 
-def register_op_impl(name: str, device_type: str, fn: Callable[..., Any]) -> None:
-    """Use ``fn`` for op ``name`` on tensors whose ``device.type`` is ``device_type``."""
-    if name not in OP_NAMES:
-        raise ValueError(f"unknown layer op {name!r}; known: {', '.join(OP_NAMES)}")
-    _IMPLS[(name, device_type)] = fn
+def is_known_op(name: str) -> bool:
+    """A core contract, or a plugin's own dotted name."""
+    return name in OP_CONTRACTS or "." in name
 
 
-def get_op_impl(name: str, device_type: str) -> Callable[..., Any] | None:
-    """The registered replacement, or None (use the torch reference)."""
-    return _IMPLS.get((name, device_type))
+def _unknown(name: str) -> str:
+    return (f"unknown layer op {name!r}; known: {', '.join(OP_CONTRACTS)} (a plugin's own op takes a "
+            "dotted name, e.g. 'myplugin.fused_gate')")
 
 
-def clear_op_impls(device_type: str | None = None) -> None:
-    """Forget registered replacements (all, or those of one device type); for tests."""
-    for key in [k for k in _IMPLS if device_type is None or k[1] == device_type]:
-        del _IMPLS[key]
+def registered_ops(platform_name: str) -> dict[str, LayerOp]:
+    """Op name -> implementation registered for ``platform_name`` through ``pagedlm_register_ops``,
+    imported now. Ops missing from the result run core's torch code on that platform.
+
+    Raises :class:`~pagedlm.core.plugins.PluginError` for a registration of an unknown op name (on
+    any platform) or one whose function cannot be imported, naming the plugin.
+    """
+    from pagedlm.core.plugins import PluginError, get_plugins, resolve_class_path
+
+    ops: dict[str, LayerOp] = {}
+    for spec in get_plugins().ops():
+        if not is_known_op(spec.op_name):
+            raise PluginError(f"plugin {spec.plugin!r} registers {_unknown(spec.op_name)}")
+        if spec.platform != platform_name:
+            continue
+        try:
+            fn = resolve_class_path(spec.function_path)
+        except Exception as e:
+            raise PluginError(f"plugin {spec.plugin!r}: layer op {spec.op_name!r} for platform {platform_name!r}: "
+                              f"cannot import {spec.function_path}: {type(e).__name__}: {e}") from e
+        if not callable(fn):
+            raise PluginError(f"plugin {spec.plugin!r}: {spec.function_path} (layer op {spec.op_name!r}) "
+                              "is not callable")
+        ops[spec.op_name] = fn
+    return ops
+
+
+@contextmanager
+def use_ops(ops: Mapping[str, LayerOp]) -> Iterator[None]:
+    """Layers and samplers built inside take their op implementations from ``ops`` (e.g.
+    :func:`registered_ops`'s table, or a test's own); outside, the previous table is back."""
+    global _building
+    unknown = [name for name in ops if not is_known_op(name)]
+    if unknown:
+        raise ValueError(_unknown(unknown[0]))
+    previous = _building
+    _building = MappingProxyType(dict(ops))
+    try:
+        yield
+    finally:
+        _building = previous
+
+
+def bound_op(name: str) -> LayerOp | None:
+    """For a layer's constructor: the implementation of op ``name`` the model is being built with,
+    or None (the layer runs its torch code)."""
+    if not is_known_op(name):
+        raise ValueError(_unknown(name))
+    return _building.get(name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedlm.core.layers.custom_ops import _IMPLS, get_op_impl
+from pagedlm.core.layers.custom_ops import bound_op
 from pagedlm.core.model_loader.weight_utils import (
     default_weight_loader,
     set_weight_attrs,
@@ -30,6 +30,9 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
         set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
+        # the platform's kernels, if it registered them (layers.custom_ops); bound once, at build
+        self._rms_norm_op = bound_op("rms_norm")
+        self._fused_add_rms_norm_op = bound_op("fused_add_rms_norm")
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
@@ -41,14 +44,12 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if _IMPLS:  # a platform registered fused kernels (layers.custom_ops)
-            fused = get_op_impl("rms_norm" if residual is None else "fused_add_rms_norm", x.device.type)
-            if fused is not None:
-                if residual is None:
-                    return fused(x, self.weight, self.variance_epsilon)
-                return fused(x, residual, self.weight, self.variance_epsilon)
         if residual is None:
+            if self._rms_norm_op is not None:
+                return self._rms_norm_op(x, self.weight, self.variance_epsilon)
             return self._norm(x)
+        if self._fused_add_rms_norm_op is not None:
+            return self._fused_add_rms_norm_op(x, residual, self.weight, self.variance_epsilon)
         # HF adds the residual in the model dtype before normalising; do the same.
         summed = x + residual
         return self._norm(summed), summed

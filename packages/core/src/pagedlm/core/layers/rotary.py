@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedlm.core.layers.custom_ops import _IMPLS, get_op_impl
+from pagedlm.core.layers.custom_ops import bound_op
 from pagedlm.core.platforms.interface import HOST
 
 __all__ = ["RotaryEmbedding", "get_rope", "rope_parameters"]
@@ -64,6 +64,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer(
             "cos_sin_cache", torch.cat([cos, sin], dim=-1).to(torch.get_default_device()), persistent=False
         )
+        # the platform's kernels, if it registered them (layers.custom_ops); bound once, at build
+        self._rotary_op = bound_op("rotary_embedding")
+        self._qk_norm_rotary_op = bound_op("qk_norm_rotary_embedding")
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x [T, heads * head_size]``, ``cos``/``sin [T, 1, rotary_dim / 2]`` -> same shape as x."""
@@ -98,11 +101,9 @@ class RotaryEmbedding(nn.Module):
         Returns:
             ``(query, key)`` rotated, new tensors of the same shapes and dtypes.
         """
-        if _IMPLS:  # a platform registered a fused kernel (layers.custom_ops)
-            fused = get_op_impl("rotary_embedding", query.device.type)
-            if fused is not None:
-                return fused(positions, query, key, self.cos_sin_cache, self.head_size, self.rotary_dim,
-                             self.is_neox_style)
+        if self._rotary_op is not None:
+            return self._rotary_op(positions, query, key, self.cos_sin_cache, self.head_size, self.rotary_dim,
+                                   self.is_neox_style)
         cos_sin = self.cos_sin_cache.index_select(0, positions.flatten())
         cos, sin = cos_sin.to(query.dtype).unsqueeze(1).chunk(2, dim=-1)
         q = self._rotate(query, cos, sin)
@@ -116,11 +117,9 @@ class RotaryEmbedding(nn.Module):
         ``head_size``), then rotate them, as Qwen3 does: ``[T, H * D]`` and ``[T, Hkv * D]`` in,
         new tensors out. A platform may do both in one kernel (``qk_norm_rotary_embedding``)."""
         eps = q_norm.variance_epsilon
-        if _IMPLS and eps == k_norm.variance_epsilon:
-            fused = get_op_impl("qk_norm_rotary_embedding", query.device.type)
-            if fused is not None:
-                return fused(positions, query, key, q_norm.weight, k_norm.weight, eps, self.cos_sin_cache,
-                             self.head_size, self.rotary_dim, self.is_neox_style)
+        if self._qk_norm_rotary_op is not None and eps == k_norm.variance_epsilon:
+            return self._qk_norm_rotary_op(positions, query, key, q_norm.weight, k_norm.weight, eps,
+                                           self.cos_sin_cache, self.head_size, self.rotary_dim, self.is_neox_style)
         num_tokens = query.shape[0]
         query = q_norm(query.reshape(num_tokens, -1, self.head_size)).reshape(num_tokens, -1)
         key = k_norm(key.reshape(num_tokens, -1, self.head_size)).reshape(num_tokens, -1)
@@ -248,6 +247,9 @@ def get_rope(
         max_position,
         is_neox_style,
         str(torch.get_default_device()),
+        # NOTE: a module built for another platform's ops must not be shared (layers.custom_ops)
+        bound_op("rotary_embedding"),
+        bound_op("qk_norm_rotary_embedding"),
         tuple(sorted((k, repr(v)) for k, v in p.items())),
     )
     cached = _ROPE_CACHE.get(key)

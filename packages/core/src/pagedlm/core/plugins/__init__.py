@@ -2,7 +2,8 @@
 
 Plugins are modules named by entry points in group ``pagedlm``. Loading is lazy (on the first
 call that needs a registry), idempotent and safe in every process. Built-in packages
-(pagedlm-backend-cpu, pagedlm-models-llama, ...) load through exactly the same path.
+(pagedlm-backend-cpu, pagedlm-models-llama, ...) load through exactly the same path. How
+registrations are ordered and how conflicts between plugins are settled: ``registrations.py``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import importlib
 import importlib.metadata
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,13 @@ import pluggy
 from pagedlm.core import envs
 from pagedlm.core.logger import init_logger
 from pagedlm.core.plugins import hookspecs
+from pagedlm.core.plugins.registrations import (
+    Parser,
+    PluginError,
+    Registration,
+    call_registration_hook,
+    resolve_conflicts,
+)
 
 if TYPE_CHECKING:
     from pagedlm.core.config import VllmConfig
@@ -30,19 +38,24 @@ logger = init_logger(__name__)
 PROJECT_NAME = "pagedlm"
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
+#: The plugin contract's version, ``"major.minor"``. The major number goes up when a change can
+#: break an existing plugin (a hook or a ``register`` argument removed or changed, an op
+#: contract changed); the minor number when something is only added (a hook, an optional
+#: ``register`` keyword, an op contract). A plugin checks the major number it was written for.
+API_VERSION = "1.0"
+
 __all__ = [
+    "API_VERSION",
     "hookimpl",
+    "OpSpec",
     "PlatformSpec",
     "PluginError",
     "PluginLoadFailure",
     "Plugins",
+    "Registration",
     "get_plugins",
     "resolve_class_path",
 ]
-
-
-class PluginError(RuntimeError):
-    """A plugin could not provide what was asked of it."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,16 @@ class PlatformSpec:
     class_path: str
     is_available: Callable[[], bool]
     priority: int
+    plugin: str
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One implementation of a layer op for one platform (``pagedlm_register_ops``)."""
+
+    op_name: str
+    platform: str
+    function_path: str
     plugin: str
 
 
@@ -132,51 +155,38 @@ class Plugins:
         return [name for name, _ in self._pm.list_name_plugin()]
 
     # -- typed registries ---------------------------------------------------------------------
-    def _collect(self, hook_name: str, make: Callable[[str, tuple, dict], Any]) -> list[Any]:
-        """Call a registration hook per plugin, so each registration knows its plugin."""
+    def collect(self, hook_name: str, parse: Parser, what: str) -> dict[Hashable, Registration]:
+        """Call registration hook ``hook_name`` of every plugin in pluggy's order and return the
+        winning registration per key. ``parse(*args, **kwargs) -> (key, value)`` takes what a
+        plugin passed to ``register`` (``override`` aside). Raises :class:`PluginError` when two
+        plugins claim one key and neither overrides, naming both (what: the kind of key)."""
         self.load()
-        out: list[Any] = []
-        for name, plugin in self._pm.list_name_plugin():
-            impl = getattr(plugin, hook_name, None)
-            if impl is None:
-                continue
+        registrations = call_registration_hook(self._pm, hook_name, parse)
+        return resolve_conflicts(registrations, what, self._describe)
 
-            def register(*args: Any, _name: str = name, **kwargs: Any) -> None:
-                out.append(make(_name, args, kwargs))
-
-            try:
-                impl(register=register)
-            except Exception as e:
-                raise PluginError(f"plugin {name!r} failed in {hook_name}: {type(e).__name__}: {e}") from e
-        return out
+    def _describe(self, plugin: str) -> str:
+        dist = self.distributions.get(plugin)
+        return f"{plugin!r} ({dist})" if dist else repr(plugin)
 
     def models(self) -> dict[str, str]:
-        """Architecture name -> ``"module:Class"``; the first plugin registering a name wins."""
-        pairs = self._collect("pagedlm_register_models", lambda _p, a, k: _two(a, k, "architecture", "class_path"))
-        registry: dict[str, str] = {}
-        for arch, path in pairs:
-            registry.setdefault(arch, path)
-        return registry
+        """Architecture name -> ``"module:Class"``."""
+        regs = self.collect("pagedlm_register_models", _model, "architecture")
+        return {str(key): reg.value for key, reg in regs.items()}
 
     def attention_backends(self) -> dict[str, str]:
-        pairs = self._collect("pagedlm_register_attention_backends", lambda _p, a, k: _two(a, k, "name", "class_path"))
-        registry: dict[str, str] = {}
-        for name, path in pairs:
-            registry.setdefault(name, path)
-        return registry
+        """Attention backend name -> ``"module:Class"``."""
+        regs = self.collect("pagedlm_register_attention_backends", _attention_backend, "attention backend")
+        return {str(key): reg.value for key, reg in regs.items()}
 
     def platforms(self) -> list[PlatformSpec]:
-        def make(plugin: str, args: tuple, kwargs: dict) -> PlatformSpec:
-            names = ("name", "class_path", "is_available", "priority")
-            values = dict(zip(names, args))
-            values.update(kwargs)
-            missing = [n for n in names[:3] if n not in values]
-            if missing:
-                raise TypeError(f"register() missing {missing}")
-            return PlatformSpec(plugin=plugin, priority=int(values.get("priority", 0)),
-                                **{n: values[n] for n in names[:3]})
+        regs = self.collect("pagedlm_register_platforms", _platform, "platform")
+        return [PlatformSpec(plugin=reg.plugin, **reg.value) for reg in regs.values()]
 
-        return self._collect("pagedlm_register_platforms", make)
+    def ops(self) -> list[OpSpec]:
+        """Every layer-op implementation, one per ``(op_name, platform)``; the names are not
+        checked here (that is :mod:`pagedlm.core.layers.custom_ops`'s business)."""
+        regs = self.collect("pagedlm_register_ops", _op, "layer op (op name, platform)")
+        return [OpSpec(*reg.key, function_path=reg.value, plugin=reg.plugin) for reg in regs.values()]
 
     def add_cli_commands(self, subparsers: argparse._SubParsersAction) -> None:
         self.hook.pagedlm_add_cli_commands(subparsers=subparsers)
@@ -185,12 +195,25 @@ class Plugins:
         self.hook.pagedlm_check_and_update_config(vllm_config=vllm_config)
 
 
-def _two(args: tuple, kwargs: dict, first: str, second: str) -> tuple[str, str]:
-    values = dict(zip((first, second), args))
-    values.update(kwargs)
-    if first not in values or second not in values:
-        raise TypeError(f"register() takes ({first}, {second}); got args={args} kwargs={kwargs}")
-    return str(values[first]), str(values[second])
+# -- register() signatures of the registration hooks (override=False is taken off before) -------
+
+
+def _model(architecture: str, class_path: str) -> tuple[str, str]:
+    return str(architecture), str(class_path)
+
+
+def _attention_backend(name: str, class_path: str) -> tuple[str, str]:
+    return str(name), str(class_path)
+
+
+def _platform(name: str, class_path: str, is_available: Callable[[], bool],
+              priority: int = 0) -> tuple[str, dict[str, Any]]:
+    return str(name), {"name": str(name), "class_path": str(class_path), "is_available": is_available,
+                       "priority": int(priority)}
+
+
+def _op(op_name: str, platform_name: str, function_path: str) -> tuple[tuple[str, str], str]:
+    return (str(op_name), str(platform_name)), str(function_path)
 
 
 _plugins: Plugins | None = None

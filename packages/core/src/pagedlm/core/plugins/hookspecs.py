@@ -4,6 +4,12 @@ Every hook is keyword-only. Registration hooks receive a ``register`` callback r
 returning values, so that new optional arguments can be added to ``register`` later without
 breaking existing plugins. A plugin implements any subset of these hooks in a module named by
 an entry point in group ``pagedlm`` (see docs/plugins.md).
+
+Every ``register`` callback also takes ``override=False`` (keyword only): a name claimed by two
+plugins is an error naming both, unless one of them passes ``override=True`` to replace the other
+on purpose. Implementations run in pluggy's order (``tryfirst=True`` first, ``trylast=True``
+last); of two overrides of one name the first called wins. The contract's version is
+``pagedlm.core.plugins.API_VERSION``.
 """
 
 from __future__ import annotations
@@ -86,4 +92,17 @@ def pagedlm_default_model(register: Callable[..., None]) -> None:
     or returns None when the model's files are not installed; ``install_hint`` then tells the
     user how to install them. The highest ``priority`` whose ``resolve`` returns a path wins.
     Returns nothing.
+    """
+
+
+@hookspec
+def pagedlm_register_ops(register: Callable[..., None]) -> None:
+    """Register a platform's implementation of a layer op (RMSNorm, rotary embedding, ...).
+
+    Call ``register(op_name, platform_name, function_path)``: ``op_name`` is a contract of
+    :data:`pagedlm.core.layers.custom_ops.OP_CONTRACTS` (or a dotted ``"yourplugin.op"`` name your
+    own layers use); ``platform_name`` is a registered platform's name (``"cuda"``);
+    ``function_path`` is a ``"module:function"`` string, imported only when a model is built on
+    that platform. The function must keep the op's contract, dtype rounding included. Layers
+    built on other platforms keep core's torch implementation. Returns nothing.
     """

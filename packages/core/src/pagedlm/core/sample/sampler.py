@@ -15,7 +15,7 @@ Pipeline for logits ``[B, V]``:
    ``argmax(probs / q)`` in log space.
 
    Fused path: where a platform registers ``"gumbel_sample"`` (see ``pagedlm.core.layers.
-   custom_ops``) for the logits' device, a batch with random rows, no min-p/top-k/top-p and no
+   custom_ops``) for the platform the sampler is built for, a batch with random rows, no min-p/top-k/top-p and no
    seeded random row is sampled by that one op instead: temperature, noise and argmax (greedy
    rows included) in one pass over the logits in their own dtype.
 
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedlm.core.layers.custom_ops import get_op_impl
+from pagedlm.core.layers.custom_ops import LayerOp, bound_op
 from pagedlm.core.sample.logprobs import LogprobsTensors, compute_topk_logprobs
 from pagedlm.core.sample.metadata import SamplingMetadata
 from pagedlm.core.sample.penalties import (
@@ -63,6 +63,11 @@ class SamplerOutput:
 class Sampler(torch.nn.Module):
     """Samples one token per row of ``logits`` ``[B, V]`` according to ``SamplingMetadata``."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        # the platform's fused sampler, if it registered one (layers.custom_ops); bound once
+        self._gumbel_sample_op = bound_op("gumbel_sample")
+
     def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2:
             raise ValueError(f"logits must be [num_rows, vocab_size], got shape {tuple(logits.shape)}")
@@ -78,9 +83,9 @@ class Sampler(torch.nn.Module):
         if logits.shape[0] == 0:
             sampled = torch.empty(0, dtype=torch.int64, device=logits.device)
         elif _needs_processing(md):
-            sampled = sample(process_logits(logits, md), md)
+            sampled = sample(process_logits(logits, md), md, self._gumbel_sample_op)
         else:
-            sampled = sample(logits, md)
+            sampled = sample(logits, md, self._gumbel_sample_op)
 
         logprobs_tensors = None
         if raw_logprobs is not None:
@@ -117,8 +122,11 @@ def _needs_processing(md: SamplingMetadata) -> bool:
     return any(md.logit_bias) or bool(md.min_tokens) or not md.no_penalties
 
 
-def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+def sample(logits: torch.Tensor, md: SamplingMetadata, gumbel_sample: LayerOp | None = None) -> torch.Tensor:
     """Logits ``[B, V]`` -> sampled ids ``[B]`` int64. Does not modify ``logits``.
+
+    ``gumbel_sample``: a platform's implementation of that op (``layers.custom_ops``), used for
+    batches it can take; None: torch only.
 
     ``logits`` are the output of ``process_logits`` (float32), or the raw logits in any float
     dtype when there was nothing to process: argmax and the fused op read them as they are, and
@@ -128,12 +136,11 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         # NOTE: same ids as on a float32 copy: the cast is exact and keeps the order and ties.
         return logits.argmax(dim=-1)
     generators = _random_generators(md)
-    if not generators and md.min_p is None and md.top_k is None and md.top_p is None:
-        fused = get_op_impl("gumbel_sample", logits.device.type)
-        if fused is not None:
-            # Greedy rows have temperature 0.0, for which the op takes the argmax. The key comes
-            # from the default CPU generator: no device sync, and torch.manual_seed replays it.
-            return fused(logits, md.temperature, int(torch.randint(_FUSED_SEED_RANGE, (1,)).item()), 0)
+    fusable = not generators and md.min_p is None and md.top_k is None and md.top_p is None
+    if gumbel_sample is not None and fusable:
+        # Greedy rows have temperature 0.0, for which the op takes the argmax. The key comes
+        # from the default CPU generator: no device sync, and torch.manual_seed replays it.
+        return gumbel_sample(logits, md.temperature, int(torch.randint(_FUSED_SEED_RANGE, (1,)).item()), 0)
 
     logits = logits.to(torch.float32)  # no copy for processed logits
     greedy_tokens = None

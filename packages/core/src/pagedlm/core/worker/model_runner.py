@@ -12,6 +12,7 @@ from pagedlm.core.attention.selector import get_attn_backend_cls
 from pagedlm.core.config import VllmConfig
 from pagedlm.core.distributed import get_pp_group, pp_forward
 from pagedlm.core.forward_context import set_forward_context
+from pagedlm.core.layers import custom_ops
 from pagedlm.core.logger import init_logger
 from pagedlm.core.model_loader import load_model
 from pagedlm.core.platforms import HOST, resolve_platform
@@ -101,7 +102,11 @@ class ModelRunner:
         self.max_model_len = vllm_config.max_model_len
         self.attn_backend: type[AttentionBackend] = get_attn_backend_cls(vllm_config)
         self.attn_backend.validate(head_size=mc.head_dim, dtype=self.dtype, block_size=self.block_size)
-        self.sampler = Sampler()
+        # NOTE: the platform's layer ops are resolved once, here; the sampler and the model bind
+        # them when built (layers.custom_ops), so no forward pass looks them up.
+        self.layer_ops = custom_ops.registered_ops(self.platform.device_name)
+        with custom_ops.use_ops(self.layer_ops):
+            self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
         self.attention_layers: dict = {}
         self.kv_caches: list[torch.Tensor] = []
@@ -118,7 +123,8 @@ class ModelRunner:
 
     # -- set-up -----------------------------------------------------------------------------
     def load_model(self) -> None:
-        self.model, self.attention_layers = load_model(self.vllm_config, self.attn_backend, self.device)
+        with custom_ops.use_ops(self.layer_ops):
+            self.model, self.attention_layers = load_model(self.vllm_config, self.attn_backend, self.device)
 
     def kv_cache_bytes_per_block(self) -> int:
         total = 0

@@ -7,7 +7,8 @@ even inside a CUDA graph. Each op here is one kernel.
 Every op repeats the rounding steps of core's torch version (= HF transformers') in the same
 order: bf16/fp16 results are rounded where torch rounds them (sum of residual and input, the
 normalised value before the weight multiply, each rotary product), so greedy outputs keep
-matching HF. Registered for the ``cuda`` device type by :func:`register_cuda_layer_ops`.
+matching HF. Registered for platform ``cuda`` by the backend's ``pagedlm_register_ops``
+(:mod:`pagedlm.backends.cuda.plugin`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from pagedlm.backends.cuda.kernels.launch import launch
 __all__ = [
     "fused_add_rms_norm",
     "qk_norm_rotary_embedding",
-    "register_cuda_layer_ops",
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
@@ -258,18 +258,3 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         grid = (num_tokens, triton.cdiv(inter, block))
         launch(_silu_and_mul_kernel, grid, x, out, x.stride(0), inter, BLOCK=block, num_warps=4)
     return out
-
-
-def register_cuda_layer_ops(device_type: str = "cuda") -> None:
-    """Make core's RMSNorm, RotaryEmbedding (also with Qwen3's q/k norm) and SiluAndMul use
-    these kernels on ``device_type``, and core's sampler the fused Gumbel-max sampler of
-    :mod:`pagedlm.backends.cuda.kernels.sampling`."""
-    from pagedlm.backends.cuda.kernels.sampling import gumbel_sample
-    from pagedlm.core.layers.custom_ops import register_op_impl
-
-    register_op_impl("rms_norm", device_type, rms_norm)
-    register_op_impl("fused_add_rms_norm", device_type, fused_add_rms_norm)
-    register_op_impl("rotary_embedding", device_type, rotary_embedding)
-    register_op_impl("silu_and_mul", device_type, silu_and_mul)
-    register_op_impl("qk_norm_rotary_embedding", device_type, qk_norm_rotary_embedding)
-    register_op_impl("gumbel_sample", device_type, gumbel_sample)
