@@ -220,3 +220,51 @@ def test_command_line_usage_errors_exit_2(capsys):
     assert main(["--device", "no_such_device"]) == 2
     assert main(["--device", "cpu", "--dtype", "float8"]) == 2
     assert "float8" in capsys.readouterr().err
+
+
+# -- the one-call pytest helper --------------------------------------------------------------------
+
+
+def _skewed_backend():
+    """The reference backend with scores 3% too large (a module attribute, so a class path names it)."""
+    backend, impl = _reference_classes()
+
+    class SkewedImpl(impl):
+        def __init__(self, *, scale, **kwargs):
+            super().__init__(scale=scale * 1.03, **kwargs)
+
+    class Skewed(backend):
+        name = "skewed_in_process"
+
+        @staticmethod
+        def get_impl_cls():
+            return SkewedImpl
+
+    return Skewed
+
+
+SkewedBackend = _skewed_backend()
+
+
+class _SkewedPlugin:
+    from pagedlm.core.plugins import hookimpl
+
+    @staticmethod
+    @hookimpl
+    def pagedlm_register_attention_backends(register):
+        register("skewed_in_process", f"{__name__}:SkewedBackend")
+
+
+def test_assert_conformance_in_one_test():
+    from pagedlm.core.plugins import get_plugins
+    from pagedlm.core.testing import assert_conformance
+
+    report = assert_conformance("cpu", "cpu_paged", dtypes="float32", quick=True, skip_e2e=True)
+    assert report.ok and report.attention_backend == "cpu_paged"
+    plugins = get_plugins()
+    plugins.register(_SkewedPlugin, name="skewed_in_process")
+    try:
+        with pytest.raises(AssertionError, match=r"FAIL attention: mixed .* max_abs_err="):
+            assert_conformance("cpu", "skewed_in_process", dtypes="float32", quick=True, skip_e2e=True)
+    finally:
+        plugins.unregister("skewed_in_process")
