@@ -125,12 +125,12 @@ def test_a_backend_reading_past_the_context_fails():
     backend, impl = _reference_classes()
 
     class OffByOneImpl(impl):
-        """Sees one more key than the context (the NaN next slot, or a stale one)."""
+        """Also attends to the key one position past each query (a future token, or a padded slot)."""
 
         def forward(self, query, key, value, kv_cache, metadata):
             for group in metadata.groups:
-                group.masks[self.sliding_window] = group.mask(self.sliding_window) | torch.ones_like(
-                    group.mask(self.sliding_window)).tril(1).bool()
+                mask = group.mask(self.sliding_window)  # [R, Q, S]
+                group.masks[self.sliding_window] = mask | torch.nn.functional.pad(mask, (1, 0))[..., :-1]
             return super().forward(query, key, value, kv_cache, metadata)
 
     class OffByOne(backend):
