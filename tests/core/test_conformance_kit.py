@@ -193,11 +193,11 @@ def test_declared_limits_are_skips():
         name = "narrow"
         supported_head_sizes = (64,)
         supported_dtypes = (torch.float32,)
-        supported_block_sizes = (16,)
+        block_size_multiple = 16
 
     for case in (attention.AttentionCase("mixed", 4, 2, 128, 16, torch.float32),
                  attention.AttentionCase("mixed", 4, 2, 64, 16, torch.bfloat16),
-                 attention.AttentionCase("mixed", 4, 2, 64, 32, torch.float32)):
+                 attention.AttentionCase("mixed", 4, 2, 64, 1, torch.float32)):
         assert attention.check_attention_case(Narrow, CPU, case, seed=0).status == "SKIP"
 
 

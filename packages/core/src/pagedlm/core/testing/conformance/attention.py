@@ -107,15 +107,12 @@ def backend_class(name: str) -> type[AttentionBackend]:
 
 
 def unsupported(backend: type[AttentionBackend], case: AttentionCase) -> str | None:
-    """Why ``backend`` declares it cannot run ``case`` (a skip, not a failure), or None."""
+    """Why ``backend`` declares it cannot run ``case`` (a skip, not a failure), or None: its
+    ``validate`` (head sizes, dtypes, ``block_size_multiple``) refuses it."""
     try:
-        backend.validate(head_size=case.head_size, dtype=case.dtype)
+        backend.validate(head_size=case.head_size, dtype=case.dtype, block_size=case.block_size)
     except ValueError as e:
         return str(e)
-    # NOTE: AttentionBackend declares no block sizes yet; a backend may add this attribute
-    block_sizes = getattr(backend, "supported_block_sizes", None)
-    if block_sizes is not None and case.block_size not in block_sizes:
-        return f"block_size={case.block_size} not in supported_block_sizes={list(block_sizes)}"
     return None
 
 
@@ -163,8 +160,7 @@ def _run_backend(backend: type[AttentionBackend], device: torch.device, batch: P
     shape = tuple(backend.get_kv_cache_shape(num_blocks, case.block_size, case.num_kv_heads, case.head_size))
     same_layout = shape == tuple(batch.kv_cache.shape)
     builder = backend.get_builder_cls()(block_size=case.block_size, device=device)
-    if hasattr(builder, "num_kv_heads"):
-        builder.num_kv_heads = case.num_kv_heads  # what a model runner tells such a builder
+    builder.bind_model(num_kv_heads=case.num_kv_heads, head_size=case.head_size)  # as a model runner does
     impl = backend.get_impl_cls()(**_impl_kwargs(case))
     if same_layout:
         # a copy even on the CPU (.to would alias): the batch's cache is the "before" state
