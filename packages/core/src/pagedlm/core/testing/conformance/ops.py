@@ -28,16 +28,8 @@ EPS = 1e-6
 
 
 def _platform_ops(platform: Platform) -> dict[str, OpFn]:
-    """The ops ``platform`` registers, by name.
-
-    Through ``custom_ops.registered_ops(platform_name)`` where core has it (ops registered by
-    the ``pagedlm_register_ops`` hook), else the per-device-type table of ``get_op_impl``.
-    """
-    registered = getattr(custom_ops, "registered_ops", None)
-    if registered is not None:
-        return dict(registered(platform.device_name))
-    found = {name: custom_ops.get_op_impl(name, platform.device_type) for name in custom_ops.OP_NAMES}
-    return {name: fn for name, fn in found.items() if fn is not None}
+    """The ops ``platform`` registers through the ``pagedlm_register_ops`` hook, by name."""
+    return dict(custom_ops.registered_ops(platform.device_name))
 
 
 @dataclass(frozen=True)
