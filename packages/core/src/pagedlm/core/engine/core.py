@@ -40,6 +40,11 @@ class EngineCore:
                     total_s, executor_s, total_s - executor_s)
         sc = vllm_config.scheduler_config
         cc = vllm_config.cache_config
+        # Pipeline parallelism: up to pp_size batches in flight, so every stage has work
+        # (a request is in at most one of them: the scheduler skips requests whose sampled
+        # token is not back yet). Async scheduling: two batches, the one the device runs and
+        # the next, scheduled meanwhile on output placeholders.
+        pipeline_depth = self.executor.max_concurrent_batches
         self.scheduler = Scheduler(
             kv_cache_manager=KVCacheManager(
                 num_blocks=num_blocks,
@@ -52,16 +57,10 @@ class EngineCore:
             max_model_len=vllm_config.max_model_len,
             enable_chunked_prefill=sc.enable_chunked_prefill,
             async_scheduling=bool(sc.async_scheduling),
+            pipeline_depth=pipeline_depth,
         )
         self._stats_listeners: list[StatsListener] = []
-        # Pipeline parallelism: up to pp_size batches in flight, so every stage has work
-        # (a request is in at most one of them: the scheduler skips requests whose sampled
-        # token is not back yet). Async scheduling: two batches, the one the device runs and
-        # the next, scheduled meanwhile on output placeholders.
-        depth = self.executor.max_concurrent_batches
-        self.split_running_over_batches = depth > 1
-        if sc.async_scheduling:
-            depth = 2
+        depth = 2 if sc.async_scheduling else pipeline_depth
         self.batch_queue: deque[tuple[Future, SchedulerOutput]] | None = deque() if depth > 1 else None
         self.batch_queue_size = depth
 
@@ -123,13 +122,11 @@ class EngineCore:
         """Submit a new batch while the queue has room; otherwise (or when nothing new can be
         scheduled) wait for the oldest batch and return its outputs."""
         if len(queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
-            if self.split_running_over_batches:
-                # Split the running requests over the pipeline's depth so that, in steady-state
-                # decoding too, every stage has a batch.
-                self.scheduler.max_running_per_batch = -(-len(self.scheduler.running) // self.batch_queue_size)
             scheduler_output = self.scheduler.schedule()
-            # NOTE: an empty batch still goes out when it carries finished ids, so workers free them.
-            if scheduler_output.total_num_scheduled_tokens > 0 or scheduler_output.finished_req_ids:
+            # NOTE: an empty batch still goes out when it carries finished or preempted ids: the
+            # workers must drop those requests (a preempted one resumes from its saved state).
+            if not scheduler_output.is_empty or scheduler_output.finished_req_ids \
+                    or scheduler_output.preempted_req_ids:
                 future = self.executor.execute_model(scheduler_output, non_block=True)
                 queue.append((future, scheduler_output))  # type: ignore[arg-type]
                 if len(queue) < self.batch_queue_size and scheduler_output.total_num_scheduled_tokens > 0:
