@@ -94,7 +94,7 @@ async def _serve(args: argparse.Namespace, engine_args: EngineArgs, sock: socket
     engine = AsyncLLM(vllm_config, stat_loggers=[metrics], log_interval_s=args.log_stats_interval,
                       log_stats=args.log_stats_interval > 0)
     try:
-        metrics.cache_blocks.labels(model_name=name).set(vllm_config.cache_config.num_gpu_blocks or 0)
+        metrics.cache_blocks.labels(model_name=name).set(engine.num_gpu_blocks)
         state = ServerState(engine=engine, served_model_names=[name], api_key=api_key, chat_template=chat_template,
                             metrics=metrics)
         app = build_app(state)

@@ -67,9 +67,12 @@ class AsyncLLM:
         spawned process (tests, debugging). ``log_stats`` adds a ``LoggingStatLogger`` that logs
         a throughput line every ``log_interval_s`` seconds while busy.
         """
+        if not vllm_config.frozen:
+            # Online serving: platform defaults favour latency (e.g. smaller prefill chunks).
+            vllm_config.usage_context = "server"
+        # NOTE: final before the engine core process starts; every process reads this same config.
+        vllm_config.finalize()
         self.vllm_config = vllm_config
-        # Online serving: platform defaults favour latency (e.g. smaller prefill chunks).
-        vllm_config.usage_context = "server"
         mc = vllm_config.model_config
         if mc.hf_config is None:
             raise ValueError("no model given: pass model=DIR (a local HF model directory)")
@@ -94,9 +97,6 @@ class AsyncLLM:
         if multiprocess or data_parallel:
             # Data parallelism: one engine-core process per replica, requests balanced by load.
             self.engine_core = AsyncDPClient(vllm_config) if data_parallel else AsyncMPClient(vllm_config)
-            num_blocks = int(self.engine_core.ready_info.get("num_gpu_blocks", 0))
-            # The core finalized its own copy of the config; mirror what the front end reports.
-            vllm_config.cache_config.num_gpu_blocks = num_blocks or vllm_config.cache_config.num_gpu_blocks
         else:
             self.engine_core = AsyncInprocClient(vllm_config)
 
@@ -112,6 +112,11 @@ class AsyncLLM:
     @property
     def max_model_len(self) -> int:
         return self.vllm_config.max_model_len
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        """KV-cache blocks the engine core allocated (the smallest replica's with data parallelism)."""
+        return self.engine_core.num_gpu_blocks
 
     @property
     def engine_pid(self) -> int:

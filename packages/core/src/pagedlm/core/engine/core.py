@@ -24,13 +24,16 @@ StatsListener = Callable[[SchedulerStats], None]
 class EngineCore:
     def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor] | None = None) -> None:
         start = time.perf_counter()
-        vllm_config.finalize()
+        if not vllm_config.frozen:
+            raise ValueError("EngineCore needs a final config: call vllm_config.finalize() in the front end, "
+                             "before the engine core starts")
         self.vllm_config = vllm_config
         executor_class = executor_class or Executor.get_class(vllm_config)
         self.executor = executor_class(vllm_config)
         executor_s = time.perf_counter() - start
         try:
-            num_blocks = self._initialize_kv_cache()
+            #: KV-cache blocks allocated on every rank (the front end reports it)
+            self.num_gpu_blocks = num_blocks = self._initialize_kv_cache()
         except BaseException:
             self.executor.shutdown()
             raise
@@ -83,7 +86,6 @@ class EngineCore:
                 "(or kv_cache_memory_bytes / gpu_memory_utilization), or lower max_model_len."
             )
         self.executor.initialize_cache(num_blocks)
-        cc.num_gpu_blocks = num_blocks
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens; max concurrency %.1fx at max_model_len=%d (%.2fs)",
             num_blocks, cc.block_size, num_blocks * cc.block_size, num_blocks / needed, max_len,
