@@ -14,6 +14,8 @@ disconnect, cancellation) aborts the request in the core at once, which frees it
 
 If the core dies, every in-flight ``generate`` raises ``EngineDeadError`` with the reason, new
 calls raise it at once, and ``is_dead`` turns True.
+
+``AsyncLLM`` implements ``EngineClient`` (``engine/protocol.py``), all a server may use.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pagedlm.core.config import VllmConfig
+from pagedlm.core.config import ModelConfig, VllmConfig
 from pagedlm.core.engine.arg_utils import EngineArgs
 from pagedlm.core.engine.async_client import AsyncInprocClient, AsyncMPClient, EngineDeadError
 from pagedlm.core.engine.dp_client import AsyncDPClient
@@ -106,12 +108,20 @@ class AsyncLLM:
 
     # -- properties --------------------------------------------------------------------------
     @property
+    def model_config(self) -> ModelConfig:
+        return self.vllm_config.model_config
+
+    @property
     def model_name(self) -> str:
         return self.vllm_config.model_config.name
 
     @property
     def max_model_len(self) -> int:
         return self.vllm_config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.processor.vocab_size
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -139,6 +149,18 @@ class AsyncLLM:
         if self.tokenizer is None:
             raise ValueError("this engine has no tokenizer (skip_tokenizer_init=True)")
         return self.tokenizer
+
+    async def check_health(self) -> None:
+        dead = self.dead_error
+        if dead is not None:
+            raise dead
+
+    # -- prompts -----------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType, *, add_special_tokens: bool = True) -> list[int]:
+        return self.processor.tokenize_prompt(prompt, add_special_tokens=add_special_tokens)[1]
+
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        self.processor.validate(token_ids, params)
 
     # -- requests ----------------------------------------------------------------------------
     async def generate(
@@ -279,3 +301,10 @@ class AsyncLLM:
                     task.cancel()
         self.engine_core.shutdown()
         self._fail_all(self.engine_core.dead_error or EngineDeadError("the engine was shut down"))
+
+
+if TYPE_CHECKING:
+    from pagedlm.core.engine.protocol import EngineClient
+
+    # NOTE: mypy (nox -s typecheck) checks here that AsyncLLM implements the protocol.
+    _ENGINE_CLIENT: type[EngineClient] = AsyncLLM
