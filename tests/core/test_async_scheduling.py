@@ -213,6 +213,7 @@ def _fake_core(async_scheduling: bool, num_blocks: int, device: _FakeDevice):
                                          async_scheduling=async_scheduling),
         device_config=DeviceConfig(device="cpu"),
     )
+    config.finalize()
     return EngineCore(config, executor_class=FakeExecutor)
 
 

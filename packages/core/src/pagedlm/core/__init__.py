@@ -13,6 +13,7 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "EngineDeadError",
+    "EngineClient",
     "CompletionOutput",
     "EngineArgs",
     "LLMEngine",
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from pagedlm.core.engine.arg_utils import EngineArgs
     from pagedlm.core.engine.async_llm import AsyncLLM, EngineDeadError
     from pagedlm.core.engine.llm_engine import LLMEngine
+    from pagedlm.core.engine.protocol import EngineClient
     from pagedlm.core.entrypoints.llm import LLM
     from pagedlm.core.outputs import CompletionOutput, Logprob, RequestOutput
     from pagedlm.core.sampling_params import SamplingParams
@@ -35,6 +37,7 @@ _LAZY = {
     "LLM": "pagedlm.core.entrypoints.llm",
     "AsyncLLM": "pagedlm.core.engine.async_llm",
     "EngineDeadError": "pagedlm.core.engine.async_llm",
+    "EngineClient": "pagedlm.core.engine.protocol",
     "LLMEngine": "pagedlm.core.engine.llm_engine",
     "EngineArgs": "pagedlm.core.engine.arg_utils",
     "VllmConfig": "pagedlm.core.config",

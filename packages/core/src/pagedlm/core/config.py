@@ -2,10 +2,16 @@
 
 Every field has a default, so ``VllmConfig()`` builds (with no model) for unit tests. Validation
 raises ``ValueError`` naming the parameter, the value and what is allowed.
+
+``VllmConfig.finalize()`` runs once, in the front end (``LLMEngine``, ``AsyncLLM``), before any
+engine process starts: it resolves the platform-dependent fields, runs the platform's and the
+plugins' checks, and freezes the config. Every process then reads the same final values; setting
+a field of a frozen config raises ``dataclasses.FrozenInstanceError``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -32,8 +38,33 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+class _Freezable:
+    """Fields that become read-only once :meth:`freeze` ran.
+
+    NOTE: the flag lives in the instance ``__dict__``, so copies and pickles (the config reaches
+    engine and worker processes pickled) stay frozen. Values that are themselves mutable
+    (``hf_config``, dicts) are not frozen: treat them as read-only too.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen", False):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot set {type(self).__name__}.{name}: the configuration is frozen once VllmConfig.finalize() "
+                "has run (in the front end, before any engine process starts); set it before finalize(), or "
+                "build a new config"
+            )
+        object.__setattr__(self, name, value)
+
+    def freeze(self) -> None:
+        object.__setattr__(self, "_frozen", True)
+
+    @property
+    def frozen(self) -> bool:
+        return self.__dict__.get("_frozen", False)
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(_Freezable):
     """What model to run and how to read it.
 
     ``model`` is a local directory holding an HF ``config.json`` (plus weights and tokenizer
@@ -228,7 +259,7 @@ def _read_generation_config(model_dir: str) -> dict[str, Any]:
 
 
 @dataclass
-class CacheConfig:
+class CacheConfig(_Freezable):
     """The paged KV cache.
 
     ``num_gpu_blocks_override`` fixes the number of blocks on any device (the name is vLLM's).
@@ -241,8 +272,6 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
-    # Set by the executor once the cache is allocated.
-    num_gpu_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -254,7 +283,7 @@ class CacheConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(_Freezable):
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -284,7 +313,7 @@ class ParallelConfig:
 
 
 @dataclass
-class SchedulerConfig:
+class SchedulerConfig(_Freezable):
     """Batching limits.
 
     ``max_num_batched_tokens`` is the per-step token budget shared by prefill chunks and decode
@@ -320,7 +349,7 @@ class SchedulerConfig:
 
 
 @dataclass
-class LoadConfig:
+class LoadConfig(_Freezable):
     """How weights are read. ``"auto"`` reads safetensors and refuses pickle files; pass
     ``load_format="pt"`` to explicitly allow ``*.bin``/``*.pt`` checkpoints (read with
     ``torch.load(weights_only=True)``). ``"gguf"`` reads a ``.gguf`` file, dequantizing at load
@@ -334,14 +363,14 @@ class LoadConfig:
 
 
 @dataclass
-class DeviceConfig:
+class DeviceConfig(_Freezable):
     """``device="auto"`` picks the available platform with the highest priority."""
 
     device: str = "auto"
 
 
 @dataclass
-class VllmConfig:
+class VllmConfig(_Freezable):
     """The one engine-level configuration object (the name is vLLM's)."""
 
     model_config: ModelConfig = field(default_factory=ModelConfig)
@@ -359,10 +388,13 @@ class VllmConfig:
     additional_config: dict[str, Any] = field(default_factory=dict)
 
     def finalize(self) -> None:
-        """Resolve platform-dependent fields and let the platform and plugins check them.
+        """Resolve platform-dependent fields, let the platform and plugins check them, then freeze.
 
-        NOTE: idempotent; called by the engine before anything is built.
+        NOTE: the front end calls it once, before any engine process starts; on a frozen
+        (already final) config it does nothing.
         """
+        if self.frozen:
+            return
         from pagedlm.core.platforms import resolve_platform
         from pagedlm.core.plugins import get_plugins
 
@@ -387,6 +419,24 @@ class VllmConfig:
         self._resolve_async_scheduling(platform.supports_async_scheduling)
         platform.check_and_update_config(self)
         get_plugins().check_and_update_config(self)
+        self.freeze()
+
+    def freeze(self) -> None:
+        """Make this config and its parts read-only (:meth:`finalize` ends with it)."""
+        for f in dataclasses.fields(self):
+            part = getattr(self, f.name)
+            if isinstance(part, _Freezable):
+                part.freeze()
+        super().freeze()
+
+    def for_data_parallel_rank(self, rank: int) -> VllmConfig:
+        """The final config of data-parallel replica ``rank``: this one with its rank (which picks
+        the replica's devices); the other parts are shared (they are frozen)."""
+        assert self.frozen, "finalize() the config before deriving the replicas' configs"
+        replica = dataclasses.replace(
+            self, parallel_config=dataclasses.replace(self.parallel_config, data_parallel_rank=rank))
+        replica.freeze()
+        return replica
 
     def _resolve_async_scheduling(self, platform_default: bool) -> None:
         sc, pc = self.scheduler_config, self.parallel_config

@@ -82,6 +82,9 @@ class Request:
         #: tokens sampled on the device but not yet back on the host (async scheduling); the
         #: scheduler already counts them: the next step computes their K/V
         self.num_output_placeholders = 0
+        #: how many of ``all_token_ids`` the workers have been sent; the scheduler sends the rest
+        #: with the request's next schedule (``CachedRequestData.new_token_ids``)
+        self.num_tokens_sent = 0
         # Penalties and min_tokens read the whole output so far on the host: such a request
         # waits for its sampled token instead of running one step ahead of it.
         p = sampling_params

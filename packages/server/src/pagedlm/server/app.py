@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pagedlm.core import EngineDeadError
 from pagedlm.server.errors import APIError, error_body, error_response, install_error_handlers
 from pagedlm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pagedlm.server.serving_chat import create_chat_completion, render_chat
@@ -90,7 +91,7 @@ def build_app(state: ServerState) -> FastAPI:
         s = get_state(request)
         engine = s.engine
         data = [{"id": name, "object": "model", "created": s.created, "owned_by": "pagedlm",
-                 "root": engine.vllm_config.model_config.model, "parent": None,
+                 "root": engine.model_config.model, "parent": None,
                  "max_model_len": engine.max_model_len} for name in s.served_model_names]
         return {"object": "list", "data": data}
 
@@ -106,7 +107,7 @@ def build_app(state: ServerState) -> FastAPI:
         else:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             try:
-                _, tokens = s.engine.processor.tokenize_prompt(body.prompt or "", add_special_tokens=add_special)
+                tokens = s.engine.tokenize(body.prompt or "", add_special_tokens=add_special)
             except ValueError as e:
                 raise APIError(str(e), param="prompt") from None
         return {"tokens": tokens, "count": len(tokens), "max_model_len": s.engine.max_model_len}
@@ -115,7 +116,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def detokenize(body: DetokenizeRequest, request: Request) -> Any:
         s = get_state(request)
         check_model(s, body.model)
-        vocab = s.engine.processor.vocab_size
+        vocab = s.engine.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(f"tokens contains ids {bad[:5]} outside the vocabulary [0, {vocab})", param="tokens")
@@ -126,8 +127,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> Any:
-        dead = get_state(request).engine.dead_error
-        if dead is not None:
+        try:
+            await get_state(request).engine.check_health()
+        except EngineDeadError as dead:
             return JSONResponse(error_body(f"the engine is not available: {dead}", status=503), status_code=503)
         return {"status": "ok"}
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from pagedlm.core import AsyncLLM
+from pagedlm.core import AsyncLLM, EngineClient
 from pagedlm.core.engine.arg_utils import EngineArgs
 from pagedlm.core.logger import init_logger
 from pagedlm.server.app import build_app
@@ -91,10 +91,10 @@ async def _serve(args: argparse.Namespace, engine_args: EngineArgs, sock: socket
     name = vllm_config.model_config.name
     metrics = PrometheusStatLogger(name)
     # Blocking start-up is fine here: nothing else runs on this loop yet.
-    engine = AsyncLLM(vllm_config, stat_loggers=[metrics], log_interval_s=args.log_stats_interval,
-                      log_stats=args.log_stats_interval > 0)
+    engine: EngineClient = AsyncLLM(vllm_config, stat_loggers=[metrics], log_interval_s=args.log_stats_interval,
+                                    log_stats=args.log_stats_interval > 0)
     try:
-        metrics.cache_blocks.labels(model_name=name).set(vllm_config.cache_config.num_gpu_blocks or 0)
+        metrics.cache_blocks.labels(model_name=name).set(engine.num_gpu_blocks)
         state = ServerState(engine=engine, served_model_names=[name], api_key=api_key, chat_template=chat_template,
                             metrics=metrics)
         app = build_app(state)
@@ -102,7 +102,7 @@ async def _serve(args: argparse.Namespace, engine_args: EngineArgs, sock: socket
                                 timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off")
         server = _Server(config)
         host, port = sock.getsockname()[:2]
-        logger.info("serving %s as %r on http://%s:%d (%s)", vllm_config.model_config.model, name, host, port,
+        logger.info("serving %s as %r on http://%s:%d (%s)", engine.model_config.model, name, host, port,
                     "API key required" if api_key else "no API key")
         await server.serve(sockets=[sock])
     finally:

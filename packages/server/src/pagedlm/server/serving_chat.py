@@ -91,7 +91,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
     text, token_ids = render_chat(state, req.messages, add_generation_prompt=add_generation_prompt)
     try:
-        state.engine.processor.validate(token_ids, params)
+        state.engine.validate_prompt(token_ids, params)
     except ValueError as e:
         error = bad_request(e, prompt_param="messages")
         if max_tokens is not None and "max_tokens" in error.message:

@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pagedlm.core import AsyncLLM, EngineDeadError
+from pagedlm.core import EngineClient, EngineDeadError
 from pagedlm.core.outputs import Logprob
 from pagedlm.core.sampling_params import RequestOutputKind, SamplingParams
 from pagedlm.server.errors import APIError, error_body, param_of_message
@@ -32,7 +32,7 @@ MIN_LOGPROB = -9999.0
 class ServerState:
     """Everything the route handlers need, kept on ``app.state.server``."""
 
-    engine: AsyncLLM
+    engine: EngineClient
     served_model_names: list[str]
     api_key: str | None = None
     chat_template: str | None = None  # overrides the tokenizer's template when set

@@ -70,14 +70,14 @@ def _prepare(state: ServerState, req: CompletionRequest, params: SamplingParams)
         where = "prompt" if not isinstance(req.prompt, list) or isinstance(req.prompt[0], int) else f"prompt[{i}]"
         try:
             if isinstance(raw, str):
-                _, ids = engine.processor.tokenize_prompt(raw, add_special_tokens=add_special)
-                engine.processor.validate(ids, params)
+                ids = engine.tokenize(raw, add_special_tokens=add_special)
+                engine.validate_prompt(ids, params)
                 text = raw
             else:
                 if not raw:
                     raise ValueError(f"{where}=[] is invalid: a token-id prompt needs at least one token")
                 ids = list(raw)
-                engine.processor.validate(ids, params)  # checks the vocabulary range, which decode needs
+                engine.validate_prompt(ids, params)  # checks the vocabulary range, which decode needs
                 text = engine.tokenizer.decode(ids) if engine.tokenizer is not None else ""
         except ValueError as e:
             raise bad_request(e, prompt_param=where) from None

@@ -125,7 +125,7 @@ def engine_summary(llm: Any, setup: EngineSetup) -> dict[str, Any]:
         "dtype": str(mc.dtype).removeprefix("torch."),
         "max_model_len": cfg.max_model_len,
         "block_size": cc.block_size,
-        "num_blocks": cc.num_gpu_blocks,
+        "num_blocks": llm.llm_engine.num_gpu_blocks,
         "enable_prefix_caching": cc.enable_prefix_caching,
         "max_num_seqs": sc.max_num_seqs,
         "max_num_batched_tokens": sc.max_num_batched_tokens,

@@ -55,6 +55,7 @@ class AsyncInprocClient:
         from pagedlm.core.engine.core import EngineCore
 
         self.engine_core = EngineCore(vllm_config)
+        self.num_gpu_blocks = self.engine_core.num_gpu_blocks
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedlm-engine-core")
         self._wakeup: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -158,13 +159,13 @@ class AsyncMPClient:
                                name="pagedlm-engine-core", daemon=True)
         try:
             self.proc.start()
-            self.ready_info = self._handshake(startup_timeout_s)
+            ready = self._handshake(startup_timeout_s)
         except BaseException:
             self.shutdown()
             raise
         self.pid: int = self.proc.pid  # type: ignore[assignment]
-        logger.info("engine core process %d is ready (%d KV-cache blocks)", self.pid,
-                    self.ready_info.get("num_gpu_blocks", 0))
+        self.num_gpu_blocks = int(ready["num_gpu_blocks"])
+        logger.info("engine core process %d is ready (%d KV-cache blocks)", self.pid, self.num_gpu_blocks)
 
     # -- startup ---------------------------------------------------------------------------------
     def _handshake(self, timeout_s: float) -> dict[str, Any]:

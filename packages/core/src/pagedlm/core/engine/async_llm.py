@@ -14,6 +14,8 @@ disconnect, cancellation) aborts the request in the core at once, which frees it
 
 If the core dies, every in-flight ``generate`` raises ``EngineDeadError`` with the reason, new
 calls raise it at once, and ``is_dead`` turns True.
+
+``AsyncLLM`` implements ``EngineClient`` (``engine/protocol.py``), all a server may use.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pagedlm.core.config import VllmConfig
+from pagedlm.core.config import ModelConfig, VllmConfig
 from pagedlm.core.engine.arg_utils import EngineArgs
 from pagedlm.core.engine.async_client import AsyncInprocClient, AsyncMPClient, EngineDeadError
 from pagedlm.core.engine.dp_client import AsyncDPClient
@@ -67,9 +69,12 @@ class AsyncLLM:
         spawned process (tests, debugging). ``log_stats`` adds a ``LoggingStatLogger`` that logs
         a throughput line every ``log_interval_s`` seconds while busy.
         """
+        if not vllm_config.frozen:
+            # Online serving: platform defaults favour latency (e.g. smaller prefill chunks).
+            vllm_config.usage_context = "server"
+        # NOTE: final before the engine core process starts; every process reads this same config.
+        vllm_config.finalize()
         self.vllm_config = vllm_config
-        # Online serving: platform defaults favour latency (e.g. smaller prefill chunks).
-        vllm_config.usage_context = "server"
         mc = vllm_config.model_config
         if mc.hf_config is None:
             raise ValueError("no model given: pass model=DIR (a local HF model directory)")
@@ -94,9 +99,6 @@ class AsyncLLM:
         if multiprocess or data_parallel:
             # Data parallelism: one engine-core process per replica, requests balanced by load.
             self.engine_core = AsyncDPClient(vllm_config) if data_parallel else AsyncMPClient(vllm_config)
-            num_blocks = int(self.engine_core.ready_info.get("num_gpu_blocks", 0))
-            # The core finalized its own copy of the config; mirror what the front end reports.
-            vllm_config.cache_config.num_gpu_blocks = num_blocks or vllm_config.cache_config.num_gpu_blocks
         else:
             self.engine_core = AsyncInprocClient(vllm_config)
 
@@ -106,12 +108,25 @@ class AsyncLLM:
 
     # -- properties --------------------------------------------------------------------------
     @property
+    def model_config(self) -> ModelConfig:
+        return self.vllm_config.model_config
+
+    @property
     def model_name(self) -> str:
         return self.vllm_config.model_config.name
 
     @property
     def max_model_len(self) -> int:
         return self.vllm_config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.processor.vocab_size
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        """KV-cache blocks the engine core allocated (the smallest replica's with data parallelism)."""
+        return self.engine_core.num_gpu_blocks
 
     @property
     def engine_pid(self) -> int:
@@ -134,6 +149,18 @@ class AsyncLLM:
         if self.tokenizer is None:
             raise ValueError("this engine has no tokenizer (skip_tokenizer_init=True)")
         return self.tokenizer
+
+    async def check_health(self) -> None:
+        dead = self.dead_error
+        if dead is not None:
+            raise dead
+
+    # -- prompts -----------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType, *, add_special_tokens: bool = True) -> list[int]:
+        return self.processor.tokenize_prompt(prompt, add_special_tokens=add_special_tokens)[1]
+
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        self.processor.validate(token_ids, params)
 
     # -- requests ----------------------------------------------------------------------------
     async def generate(
@@ -274,3 +301,10 @@ class AsyncLLM:
                     task.cancel()
         self.engine_core.shutdown()
         self._fail_all(self.engine_core.dead_error or EngineDeadError("the engine was shut down"))
+
+
+if TYPE_CHECKING:
+    from pagedlm.core.engine.protocol import EngineClient
+
+    # NOTE: mypy (nox -s typecheck) checks here that AsyncLLM implements the protocol.
+    _ENGINE_CLIENT: type[EngineClient] = AsyncLLM

@@ -24,13 +24,16 @@ StatsListener = Callable[[SchedulerStats], None]
 class EngineCore:
     def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor] | None = None) -> None:
         start = time.perf_counter()
-        vllm_config.finalize()
+        if not vllm_config.frozen:
+            raise ValueError("EngineCore needs a final config: call vllm_config.finalize() in the front end, "
+                             "before the engine core starts")
         self.vllm_config = vllm_config
         executor_class = executor_class or Executor.get_class(vllm_config)
         self.executor = executor_class(vllm_config)
         executor_s = time.perf_counter() - start
         try:
-            num_blocks = self._initialize_kv_cache()
+            #: KV-cache blocks allocated on every rank (the front end reports it)
+            self.num_gpu_blocks = num_blocks = self._initialize_kv_cache()
         except BaseException:
             self.executor.shutdown()
             raise
@@ -40,6 +43,11 @@ class EngineCore:
                     total_s, executor_s, total_s - executor_s)
         sc = vllm_config.scheduler_config
         cc = vllm_config.cache_config
+        # Pipeline parallelism: up to pp_size batches in flight, so every stage has work
+        # (a request is in at most one of them: the scheduler skips requests whose sampled
+        # token is not back yet). Async scheduling: two batches, the one the device runs and
+        # the next, scheduled meanwhile on output placeholders.
+        pipeline_depth = self.executor.max_concurrent_batches
         self.scheduler = Scheduler(
             kv_cache_manager=KVCacheManager(
                 num_blocks=num_blocks,
@@ -52,16 +60,10 @@ class EngineCore:
             max_model_len=vllm_config.max_model_len,
             enable_chunked_prefill=sc.enable_chunked_prefill,
             async_scheduling=bool(sc.async_scheduling),
+            pipeline_depth=pipeline_depth,
         )
         self._stats_listeners: list[StatsListener] = []
-        # Pipeline parallelism: up to pp_size batches in flight, so every stage has work
-        # (a request is in at most one of them: the scheduler skips requests whose sampled
-        # token is not back yet). Async scheduling: two batches, the one the device runs and
-        # the next, scheduled meanwhile on output placeholders.
-        depth = self.executor.max_concurrent_batches
-        self.split_running_over_batches = depth > 1
-        if sc.async_scheduling:
-            depth = 2
+        depth = 2 if sc.async_scheduling else pipeline_depth
         self.batch_queue: deque[tuple[Future, SchedulerOutput]] | None = deque() if depth > 1 else None
         self.batch_queue_size = depth
 
@@ -84,7 +86,6 @@ class EngineCore:
                 "(or kv_cache_memory_bytes / gpu_memory_utilization), or lower max_model_len."
             )
         self.executor.initialize_cache(num_blocks)
-        cc.num_gpu_blocks = num_blocks
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens; max concurrency %.1fx at max_model_len=%d (%.2fs)",
             num_blocks, cc.block_size, num_blocks * cc.block_size, num_blocks / needed, max_len,
@@ -123,13 +124,11 @@ class EngineCore:
         """Submit a new batch while the queue has room; otherwise (or when nothing new can be
         scheduled) wait for the oldest batch and return its outputs."""
         if len(queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
-            if self.split_running_over_batches:
-                # Split the running requests over the pipeline's depth so that, in steady-state
-                # decoding too, every stage has a batch.
-                self.scheduler.max_running_per_batch = -(-len(self.scheduler.running) // self.batch_queue_size)
             scheduler_output = self.scheduler.schedule()
-            # NOTE: an empty batch still goes out when it carries finished ids, so workers free them.
-            if scheduler_output.total_num_scheduled_tokens > 0 or scheduler_output.finished_req_ids:
+            # NOTE: an empty batch still goes out when it carries finished or preempted ids: the
+            # workers must drop those requests (a preempted one resumes from its saved state).
+            if not scheduler_output.is_empty or scheduler_output.finished_req_ids \
+                    or scheduler_output.preempted_req_ids:
                 future = self.executor.execute_model(scheduler_output, non_block=True)
                 queue.append((future, scheduler_output))  # type: ignore[arg-type]
                 if len(queue) < self.batch_queue_size and scheduler_output.total_num_scheduled_tokens > 0:

@@ -13,6 +13,9 @@ from pagedlm.core.sched import EngineCoreOutput
 
 
 class EngineCoreClient:
+    #: KV-cache blocks the engine core allocated (set once the core is ready)
+    num_gpu_blocks: int
+
     def add_request(self, request: EngineCoreRequest) -> None:
         raise NotImplementedError
 
@@ -29,6 +32,7 @@ class EngineCoreClient:
 class InprocClient(EngineCoreClient):
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.engine_core = EngineCore(vllm_config)
+        self.num_gpu_blocks = self.engine_core.num_gpu_blocks
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.engine_core.add_request(request)

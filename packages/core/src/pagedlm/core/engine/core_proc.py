@@ -118,7 +118,7 @@ class EngineCoreProc:
             logger.error("engine core: expected HELLO first, got message kind %s", kind)
             return False
         vc = self.engine_core.vllm_config
-        info = {"num_gpu_blocks": int(vc.cache_config.num_gpu_blocks or 0), "max_model_len": vc.max_model_len,
+        info = {"num_gpu_blocks": self.engine_core.num_gpu_blocks, "max_model_len": vc.max_model_len,
                 "pid": os.getpid()}
         self.output_socket.send(serial.encode(OutputKind.READY, info))
         return True

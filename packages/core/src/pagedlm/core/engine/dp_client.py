@@ -7,7 +7,7 @@ fewest unfinished requests (ties: the lowest index) and merges their outputs.
 
 Protocol (pickled over one duplex pipe per replica):
   client -> replica: ``("add", EngineCoreRequest)``, ``("abort", [ids])``, ``("shutdown", None)``
-  replica -> client: ``("ready", None)``, ``("out", [EngineCoreOutput])``, ``("error", text)``
+  replica -> client: ``("ready", num_gpu_blocks)``, ``("out", [EngineCoreOutput])``, ``("error", text)``
 
 A replica that dies or raises fails the client with an error naming it; shutdown, garbage
 collection and interpreter exit stop every replica (which stops its workers).
@@ -16,7 +16,6 @@ collection and interpreter exit stop every replica (which stops its workers).
 from __future__ import annotations
 
 import atexit
-import copy
 import multiprocessing
 import multiprocessing.connection as mp_connection
 import os
@@ -57,7 +56,7 @@ def _run_replica(vllm_config: VllmConfig, conn: Any) -> None:
     except BaseException as e:  # noqa: BLE001 - reported to the client, which fails loudly
         conn.send(("error", format_exception(e)))
         return
-    conn.send(("ready", None))
+    conn.send(("ready", core.num_gpu_blocks))
     try:
         while True:
             # Block only when idle; otherwise take whatever arrived and keep stepping.
@@ -111,14 +110,12 @@ class _Replicas:
 
 class DPClient(EngineCoreClient):
     def __init__(self, vllm_config: VllmConfig) -> None:
-        vllm_config.finalize()  # the front end (Processor) reads resolved fields too
         self.vllm_config = vllm_config
         self.size = vllm_config.parallel_config.data_parallel_size
         ctx = mp_context()
         replicas = self._replicas = _Replicas()
         for rank in range(self.size):
-            config = copy.deepcopy(vllm_config)
-            config.parallel_config.data_parallel_rank = rank
+            config = vllm_config.for_data_parallel_rank(rank)
             parent_conn, child_conn = ctx.Pipe()
             # NOTE: not daemonic: a replica with TP/PP starts worker processes of its own.
             proc = ctx.Process(target=_run_replica, args=(config, child_conn), name=f"pagedlm-dp-replica{rank}")
@@ -133,15 +130,17 @@ class DPClient(EngineCoreClient):
         self.owner: dict[str, int] = {}
         self.load = [0] * self.size
         self._failure: str | None = None
+        blocks: dict[int, int] = {}
         try:
-            pending = set(range(self.size))
-            while pending:
-                for rank, kind, _ in self._receive(block=True):
+            while len(blocks) < self.size:
+                for rank, kind, payload in self._receive(block=True):
                     if kind == "ready":
-                        pending.discard(rank)
+                        blocks[rank] = payload
         except BaseException:
             self.shutdown()
             raise
+        #: what the front end reports: the smallest replica's KV cache
+        self.num_gpu_blocks = min(blocks.values())
 
     # -- plumbing ----------------------------------------------------------------------------------
     def _fail(self, message: str) -> None:
@@ -250,16 +249,12 @@ class AsyncDPClient:
         self.clients: list[Any] = []
         try:
             for rank in range(self.size):
-                config = copy.deepcopy(vllm_config)
-                config.parallel_config.data_parallel_rank = rank
-                self.clients.append(AsyncMPClient(config))
+                self.clients.append(AsyncMPClient(vllm_config.for_data_parallel_rank(rank)))
         except BaseException:
             self.shutdown()
             raise
-        self.ready_info = dict(self.clients[0].ready_info)
         # The scheduler limit the front end reports is the smallest replica's.
-        blocks = [int(c.ready_info.get("num_gpu_blocks", 0)) for c in self.clients]
-        self.ready_info["num_gpu_blocks"] = min(blocks)
+        self.num_gpu_blocks = min(c.num_gpu_blocks for c in self.clients)
         self.pid: int = self.clients[0].pid
         self.owner: dict[str, int] = {}
         self.load = [0] * self.size

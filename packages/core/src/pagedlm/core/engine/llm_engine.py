@@ -42,6 +42,8 @@ def fan_out(core_request: EngineCoreRequest) -> list[EngineCoreRequest]:
 
 class LLMEngine:
     def __init__(self, vllm_config: VllmConfig, *, log_stats: bool = False) -> None:
+        # NOTE: final before any engine process starts; every process reads this same config.
+        vllm_config.finalize()
         self.vllm_config = vllm_config
         mc = vllm_config.model_config
         if mc.hf_config is None:
@@ -131,6 +133,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        """KV-cache blocks the engine core allocated (the smallest replica's with data parallelism)."""
+        return self.engine_core.num_gpu_blocks
 
     @property
     def core(self):

@@ -206,8 +206,6 @@ class MultiprocExecutor(Executor):
         self.pp_size = pc.pipeline_parallel_size
         self.output_rank = output_rank(self.tp_size, self.pp_size)
         self._pending: deque[_PendingOutput] = deque()
-        #: tokens sampled since the last broadcast, for the non-last pipeline stages
-        self._sampled: dict[str, list[int]] = {}
         ctx = mp_context()
         workers = self._workers = _Workers()
         workers.broadcast = ShmBroadcast(ctx, self.world_size)
@@ -315,18 +313,13 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput,
                       non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        sampled, self._sampled = self._sampled, {}
-        self._send("execute_model", (scheduler_output, sampled or None), reply_ranks=(self.output_rank,))
+        self._send("execute_model", (scheduler_output,), reply_ranks=(self.output_rank,))
         future = _PendingOutput(self)
         self._pending.append(future)
         return future if non_block else future.result()
 
     def _receive_next_output(self) -> None:
         output: ModelRunnerOutput = self._wait_replies({self.output_rank})[self.output_rank]
-        if self.pp_size > 1:
-            for req_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
-                if token_ids:
-                    self._sampled.setdefault(req_id, []).extend(token_ids)
         self._pending.popleft().set_result(output)
 
     def shutdown(self) -> None:

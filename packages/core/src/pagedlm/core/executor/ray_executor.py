@@ -112,7 +112,6 @@ class RayExecutor(Executor):
         self.world_size = pc.world_size
         self.pp_size = pc.pipeline_parallel_size
         self.output_rank = output_rank(pc.tensor_parallel_size, pc.pipeline_parallel_size)
-        self._sampled: dict[str, list[int]] = {}
         self._failure: str | None = None
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
@@ -200,22 +199,12 @@ class RayExecutor(Executor):
 
         if self._failure is not None:
             raise RuntimeError(self._failure)
-        sampled, self._sampled = self._sampled, {}
         # Put once; each actor reads the same object (Ray resolves top-level ref arguments).
-        args_ref = ray.put((scheduler_output, sampled or None))
+        args_ref = ray.put((scheduler_output,))
         refs = [a.execute.remote("execute_model", args_ref, rank == self.output_rank)
                 for rank, a in enumerate(self.actors)]
         future = _RayOutput(self, refs)
-        future.add_done_callback(self._record_sampled)
         return future if non_block else future.result()
-
-    def _record_sampled(self, future: Future) -> None:
-        if self.pp_size == 1 or future.exception() is not None:
-            return
-        output = future.result()
-        for req_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
-            if token_ids:
-                self._sampled.setdefault(req_id, []).extend(token_ids)
 
     def check_health(self) -> None:
         if self._failure is not None:

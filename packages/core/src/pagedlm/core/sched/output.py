@@ -23,9 +23,10 @@ class CachedRequestData:
     """Requests the workers already hold, in schedule order.
 
     NOTE: for a request resumed after preemption, ``new_block_ids[i]`` is its whole new block
-    table and ``token_ids[i]`` is its full token list (prompt + outputs); otherwise
-    ``new_block_ids[i]`` is appended to its table and ``token_ids[i]`` is None (the worker
-    already knows every token: it sampled them).
+    table, ``token_ids[i]`` is its full token list (prompt + outputs) and ``new_token_ids[i]`` is
+    empty; otherwise ``new_block_ids[i]`` is appended to its table, ``token_ids[i]`` is None and
+    ``new_token_ids[i]`` holds the tokens the scheduler received for it since it last scheduled it
+    (the output tokens the workers have not been sent yet, oldest first).
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -33,6 +34,7 @@ class CachedRequestData:
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
     token_ids: list[list[int] | None] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:
@@ -48,7 +50,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     #: requests finished or aborted since the last step: workers drop their state
     finished_req_ids: set[str]
-    #: requests preempted this step: workers drop them from the batch but keep their state
+    #: requests preempted this step: workers drop them from the batch (their KV blocks are freed)
+    #: but keep their per-request state until they resume (resumed_from_preemption) or finish
     preempted_req_ids: set[str] = field(default_factory=set)
 
     @property

@@ -17,6 +17,11 @@ computes like a known token (the model runner feeds the sampled id on the device
 ``update_from_output`` later swaps the placeholder for the real token. A request whose next
 token would end it by length, or whose sampling reads its output history on the host
 (penalties, ``min_tokens``), is not scheduled ahead of its placeholder.
+
+The ``SchedulerOutput`` is the workers' one source of request state: new requests in full, and
+for the others their new blocks and the tokens the scheduler received for them since it last
+scheduled them (``new_token_ids``). Every worker, of every pipeline stage, learns the sampled
+tokens that way; preempted requests are named so that workers drop them from their batch.
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         async_scheduling: bool = False,
+        pipeline_depth: int = 1,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.async_scheduling = async_scheduling
@@ -88,10 +94,10 @@ class Scheduler:
         self.num_preemptions_total = 0
         self._step = 0
         self._last_stats = SchedulerStats()
-        #: most running requests one batch takes (None: no cap). With pipeline parallelism the
-        #: engine sets it to a share of the running requests, so decodes split into several
-        #: batches that occupy the stages at once instead of one batch and idle stages.
-        self.max_running_per_batch: int | None = None
+        #: batches the pipeline stages hold at once. With more than one, each batch takes at most
+        #: a 1/pipeline_depth share of the running requests, so decodes split into batches that
+        #: occupy every stage instead of one batch and idle stages.
+        self.pipeline_depth = pipeline_depth
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -140,8 +146,8 @@ class Scheduler:
         # 1. running requests, oldest first.
         index = 0
         num_running_scheduled = 0
-        cap = self.max_running_per_batch
-        while index < len(self.running) and token_budget > 0 and (cap is None or num_running_scheduled < cap):
+        cap = -(-len(self.running) // self.pipeline_depth)
+        while index < len(self.running) and token_budget > 0 and num_running_scheduled < cap:
             request = self.running[index]
             num_placeholders = request.num_output_placeholders
             num_new_tokens = min(request.num_tokens + num_placeholders - request.num_computed_tokens, token_budget)
@@ -170,6 +176,10 @@ class Scheduler:
             cached.new_block_ids.append([b.block_id for b in new_blocks])
             cached.num_computed_tokens.append(request.num_computed_tokens)
             cached.token_ids.append(None)
+            # NOTE: only tokens back from the workers are sent: with async scheduling the one
+            # still in flight is a placeholder here, and the device feeds it to this step.
+            cached.new_token_ids.append(request.all_token_ids[request.num_tokens_sent:])
+            request.num_tokens_sent = request.num_tokens
             num_running_scheduled += 1
             index += 1
 
@@ -201,6 +211,7 @@ class Scheduler:
                 cached.new_block_ids.append(list(block_ids))
                 cached.num_computed_tokens.append(num_computed)
                 cached.token_ids.append(list(request.all_token_ids))
+                cached.new_token_ids.append([])
             else:
                 new_reqs.append(
                     NewRequestData(
@@ -212,6 +223,7 @@ class Scheduler:
                     )
                 )
             request.status = RequestStatus.RUNNING
+            request.num_tokens_sent = request.num_tokens
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
 

@@ -75,6 +75,9 @@ class InputBatch:
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
         self.requests: dict[str, CachedRequestState] = {}
+        #: preempted requests: out of the tables (their blocks are gone), their state kept for
+        #: when they resume (the generator of a seeded request has to go on where it stopped)
+        self.preempted: dict[str, CachedRequestState] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         #: the last step's sampled ids ``[S]`` on the device, and each request's row in it
         self.sampled_on_device: torch.Tensor | None = None
@@ -84,16 +87,23 @@ class InputBatch:
 
     # -- applying the scheduler's decisions ---------------------------------------------------
     def update(self, sched: SchedulerOutput) -> None:
-        if sched.finished_req_ids or sched.scheduled_new_reqs:
+        cached = sched.scheduled_cached_reqs
+        if sched.finished_req_ids or sched.scheduled_new_reqs or sched.preempted_req_ids \
+                or any(cached.resumed_from_preemption):
             self.membership_version += 1
         for req_id in sched.finished_req_ids:
             state = self.requests.pop(req_id, None)
             if state is not None:
                 self._free_rows.append(state.row)
+            self.preempted.pop(req_id, None)
+        for req_id in sched.preempted_req_ids:
+            state = self.requests.pop(req_id)
+            self._free_rows.append(state.row)
+            # Recomputed from scratch on resume: prompt logprobs gathered so far would repeat.
+            state.prompt_logprobs_parts = []
+            self.preempted[req_id] = state
         for new in sched.scheduled_new_reqs:
-            if not self._free_rows:
-                raise RuntimeError(f"more than max_num_reqs={self.max_num_reqs} requests in the model runner")
-            row = self._free_rows.pop()
+            row = self._take_row()
             params = new.sampling_params
             generator = None
             if params.seed is not None and not params.greedy:
@@ -107,18 +117,24 @@ class InputBatch:
                 generator=generator, num_tokens=num_prompt, num_computed_tokens=new.num_computed_tokens,
                 num_blocks=len(new.block_ids),
             )
-        cached = sched.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            state = self.requests[req_id]
             new_block_ids = cached.new_block_ids[i]
             if cached.resumed_from_preemption[i]:
-                # NOTE: the scheduler resumes a request only once its in-flight token is back.
-                assert state.num_pending == 0, f"{req_id} resumed with a token in flight"
+                state = self.preempted.pop(req_id)
+                state.row = self._take_row()
                 state.num_blocks = 0
                 token_ids = cached.token_ids[i]
                 assert token_ids is not None
                 self.token_ids[state.row, : len(token_ids)] = token_ids
                 state.num_tokens = len(token_ids)
+                # NOTE: in place: cached sampling metadata holds this list. The full token list
+                # includes every token this runner sampled before the preemption: none is pending.
+                state.output_token_ids[:] = token_ids[state.num_prompt_tokens :]
+                state.num_pending = 0
+                self.requests[req_id] = state
+            else:
+                state = self.requests[req_id]
+                self._append_tokens(state, cached.new_token_ids[i])
             if new_block_ids:
                 start = state.num_blocks
                 self.block_table[state.row, start : start + len(new_block_ids)] = new_block_ids
@@ -132,15 +148,24 @@ class InputBatch:
         for state in states:
             state.num_pending += 1
 
-    def append_sampled(self, state: CachedRequestState, token_id: int) -> None:
-        if self.requests.get(state.req_id) is not state:
-            return  # finished while its token was in flight: its row may belong to another request
-        if state.num_tokens < self.max_model_len:
-            self.token_ids[state.row, state.num_tokens] = token_id
-        state.num_tokens += 1
-        if state.num_pending:
-            state.num_pending -= 1
-        state.output_token_ids.append(token_id)
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            raise RuntimeError(f"more than max_num_reqs={self.max_num_reqs} requests in the model runner")
+        return self._free_rows.pop()
+
+    def _append_tokens(self, state: CachedRequestState, token_ids: list[int]) -> None:
+        """Append tokens the scheduler received for a request (oldest first)."""
+        if not token_ids:
+            return
+        start = state.num_tokens
+        end = min(start + len(token_ids), self.max_model_len)
+        self.token_ids[state.row, start:end] = token_ids[: end - start]
+        state.num_tokens += len(token_ids)
+        state.output_token_ids.extend(token_ids)
+        # NOTE: a runner that samples counted these tokens as pending when it drew them (they
+        # may have been fed to a step on the device since); a pipeline stage that does not
+        # sample never has pending tokens.
+        state.num_pending = max(state.num_pending - len(token_ids), 0)
 
     # -- building a step's flat inputs --------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> StepInputs:

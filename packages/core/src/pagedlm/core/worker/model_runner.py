@@ -38,17 +38,17 @@ class AsyncModelRunnerOutput:
     ``event`` (if any) completes with it; row ``j`` belongs to ``sample_states[j]``, which sits at
     ``sample_indices[j]`` of the step's ``req_ids``.
 
-    NOTE: results must be taken in step order: ``result()`` appends each token to its request's
-    host state (``input_batch``), which the step after next reads.
+    NOTE: a plain result: taking it changes no state. The runner learns its sampled tokens like
+    every other worker, from the scheduler output of the request's next step
+    (``CachedRequestData.new_token_ids``); until then the device feeds them (async scheduling).
     """
 
     def __init__(self, req_ids: list[str], prompt_logprobs: dict[str, LogprobsLists], *,
-                 input_batch: InputBatch | None = None, sample_indices: np.ndarray | None = None,
-                 sample_states: list | None = None, token_ids_host: torch.Tensor | None = None,
-                 event: Any | None = None, logprobs: LogprobsTensors | None = None) -> None:
+                 sample_indices: np.ndarray | None = None, sample_states: list | None = None,
+                 token_ids_host: torch.Tensor | None = None, event: Any | None = None,
+                 logprobs: LogprobsTensors | None = None) -> None:
         self.req_ids = req_ids
         self._prompt_logprobs = prompt_logprobs
-        self._input_batch = input_batch
         self._sample_indices = sample_indices
         self._sample_states = sample_states or []
         self._token_ids_host = token_ids_host
@@ -73,17 +73,14 @@ class AsyncModelRunnerOutput:
                 self._event.synchronize()
             token_ids = self._token_ids_host.tolist()  # the one device-to-host copy of the step
             lp = self._logprobs.tolists() if self._logprobs is not None else None
-            batch = self._input_batch
-            assert batch is not None and self._sample_indices is not None
+            assert self._sample_indices is not None
             for j, (i, state) in enumerate(zip(self._sample_indices, self._sample_states)):
                 sampled[i] = [token_ids[j]]
-                batch.append_sampled(state, token_ids[j])
                 k = state.sampling_params.logprobs
                 if lp is not None and k is not None:
                     logprobs[state.req_id] = ([lp[0][j][: k + 1]], [lp[1][j][: k + 1]], [lp[2][j]])
         self._output = ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
                                          prompt_logprobs=self._prompt_logprobs)
-        self._input_batch = None  # the step is done with the batch's state
         return self._output
 
 
@@ -179,8 +176,8 @@ class ModelRunner:
         batch.set_sampled_on_device(sample_states, out.sampled_token_ids)
         token_ids_host, event = self.copy_to_host(out.sampled_token_ids)
         pending = AsyncModelRunnerOutput(
-            step.req_ids, prompt_logprobs, input_batch=batch, sample_indices=step.sample_indices,
-            sample_states=sample_states, token_ids_host=token_ids_host, event=event, logprobs=out.logprobs_tensors)
+            step.req_ids, prompt_logprobs, sample_indices=step.sample_indices, sample_states=sample_states,
+            token_ids_host=token_ids_host, event=event, logprobs=out.logprobs_tensors)
         return pending if non_block else pending.result()
 
     def compute_sample_logits(self, step: StepInputs, hidden_states: torch.Tensor) -> torch.Tensor:

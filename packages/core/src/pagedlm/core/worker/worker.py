@@ -7,7 +7,6 @@ import torch
 from pagedlm.core.config import VllmConfig
 from pagedlm.core.distributed import (
     destroy_distributed_environment,
-    get_pp_group,
     init_distributed_environment,
     initialize_model_parallel,
 )
@@ -76,21 +75,12 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput,
-                      sampled_token_ids: dict[str, list[int]] | None = None,
                       non_block: bool = False) -> ModelRunnerOutput | AsyncModelRunnerOutput:
-        """Run one step. ``sampled_token_ids`` are tokens the last pipeline stage sampled in
-        earlier steps (req id -> tokens, oldest first); only the last stage samples, so the other
-        stages learn the tokens they must feed next from the executor, before the step that
-        schedules them. ``non_block``: return once the step is queued (async scheduling)."""
+        """Run one step. ``non_block``: return once the step is queued (async scheduling).
+
+        NOTE: the scheduler output is all this rank learns: a pipeline stage that does not sample
+        gets the sampled tokens it must feed from ``CachedRequestData.new_token_ids``."""
         assert self.model_runner is not None
-        if sampled_token_ids and not get_pp_group().is_last_rank:
-            batch = self.model_runner.input_batch
-            for req_id, token_ids in sampled_token_ids.items():
-                state = batch.requests.get(req_id)
-                if state is None:
-                    continue  # finished or aborted meanwhile
-                for token_id in token_ids:
-                    batch.append_sampled(state, token_id)
         return self.model_runner.execute_model(scheduler_output, non_block=non_block)
 
     def check_health(self) -> None:

@@ -1,0 +1,71 @@
+"""``EngineClient``: what a server needs from an engine, and all it may use.
+
+``AsyncLLM`` implements it. The HTTP server types against this protocol only, so any engine
+with these members (another front end, a test double) can serve, and the server never reaches
+into the engine's parts (processor, config objects, core client).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from pagedlm.core.config import ModelConfig
+    from pagedlm.core.engine.async_client import EngineDeadError
+    from pagedlm.core.engine.processor import PromptType
+    from pagedlm.core.metrics import EngineStatsSnapshot
+    from pagedlm.core.outputs import RequestOutput
+    from pagedlm.core.sampling_params import SamplingParams
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    # -- the model -------------------------------------------------------------------------------
+    @property
+    def model_config(self) -> ModelConfig:
+        """The served model (final: read it, never change it)."""
+
+    @property
+    def max_model_len(self) -> int:
+        """Most tokens (prompt + output) one request may hold."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def tokenizer(self) -> Any | None:
+        """The HF tokenizer, or None when the engine runs without one (skip_tokenizer_init)."""
+
+    # -- prompts ---------------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType, *, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's token ids; raises ValueError for a malformed or empty prompt."""
+
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (naming the parameter) if the engine would refuse this request."""
+
+    # -- requests --------------------------------------------------------------------------------
+    def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
+                 add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until it finishes; leaving early aborts it."""
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now (synchronous: callable from ``finally`` blocks)."""
+
+    # -- health and statistics -------------------------------------------------------------------
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        """Why the engine cannot serve any more, or None while it can."""
+
+    async def check_health(self) -> None:
+        """Raise ``EngineDeadError`` if the engine cannot serve."""
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        """KV-cache blocks allocated at start-up."""
+
+    @property
+    def latest_stats(self) -> EngineStatsSnapshot | None:
+        """The engine core's latest statistics snapshot (None before the first one)."""
+
+    def shutdown(self) -> None: ...
