@@ -114,7 +114,14 @@ def test_startup_errors_exit_2_with_a_message(tiny_llama, tmp_path, capsys):
         port = taken.getsockname()[1]
         assert f"cannot listen on 127.0.0.1:{port}" in serve(tiny_llama, "--device", "cpu", "--port", str(port))
     assert "--chat-template" in serve(tiny_llama, "--chat-template", str(tmp_path / "nope.jinja"))
-    assert "MODEL" in serve("--device", "cpu")
+    # no MODEL and no default model installed: how to get one or pass MODEL (with one installed,
+    # serve serves it: tests/server/test_server_default_model.py)
+    import pagedlm.core.default_model as default_model
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(default_model, "default_model_offers", lambda: [])
+        err = serve("--device", "cpu")
+    assert "no model given" in err and "pagedlm-models-gemma[default-model]" in err, err
     # an engine that cannot start (one KV block for a 512-token context) says why
     err = serve(tiny_llama, "--device", "cpu", "--dtype", "float32", "--num-gpu-blocks-override", "1", "--port", "0")
     assert "KV cache" in err
