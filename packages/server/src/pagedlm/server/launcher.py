@@ -98,8 +98,9 @@ async def _serve(args: argparse.Namespace, engine_args: EngineArgs, sock: socket
                       log_stats=args.log_stats_interval > 0)
     try:
         metrics.cache_blocks.labels(model_name=name).set(vllm_config.cache_config.num_gpu_blocks or 0)
+        max_sequences = args.max_request_sequences or vllm_config.scheduler_config.max_num_seqs
         state = ServerState(engine=engine, served_model_names=[name], api_key=api_key, chat_template=chat_template,
-                            metrics=metrics)
+                            metrics=metrics, max_request_sequences=max_sequences)
         app = build_app(state)
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=args.access_log,
                                 timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off")

@@ -139,6 +139,7 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
+    return_token_strs: bool | None = Field(None, description="also return the tokenizer's piece of every id")
 
 
 class DetokenizeRequest(OpenAIModel):
