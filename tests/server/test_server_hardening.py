@@ -123,8 +123,8 @@ def test_chunked_body_over_the_cap_is_a_413(server, openai_schemas):
     try:
         r = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=60,
                        headers={**server.headers, "Content-Type": "application/json"})
-    except httpx.TransportError:
-        pytest.fail(f"the server closed the connection after {sent} bytes instead of answering 413")
+    except httpx.TransportError as e:  # e.g. it read the whole body and is still parsing it
+        pytest.fail(f"no 413 after {sent} bytes sent: {e!r}")
     assert r.status_code == 413, r.text[:300]
     openai_schemas.validate("ErrorResponse", r.json())
     assert str(MAX_BODY_BYTES) in r.json()["error"]["message"]
