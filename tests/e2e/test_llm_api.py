@@ -163,6 +163,7 @@ def test_chat_uses_the_template(llm):
                                                           "frequency_penalty", "repetition_penalty")
           for value in (float("nan"), float("inf"))],
         ({"logit_bias": {3: float("nan")}}, ["logit_bias", "finite"]),
+        ({"stop": ["ok", "\udc80"]}, ["stop", "surrogate"]),
     ],
 )
 def test_bad_sampling_params(kwargs, words):
@@ -183,6 +184,7 @@ def test_bad_prompts_name_the_problem_and_leave_the_batch_alone(llm):
         ({"prompt_token_ids": [1] * (max_len - 3)}, params, "max_tokens"),
         ({"prompt_token_ids": [10**6]}, params, "vocabulary"),
         (good, SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
+        ("x \ud800 y", params, "prompt contains a lone UTF-16 surrogate"),  # was the tokenizer's TypeError
     ]
     for prompt, p, word in cases:
         with pytest.raises(ValueError, match=word):

@@ -209,6 +209,7 @@ def _typed_model(name: str) -> Any:
 
     models = {
         "ListModelsResponse": ListModels,
+        "Model": types.Model,
         "CreateCompletionResponse": types.Completion,
         "CreateChatCompletionResponse": chat.ChatCompletion,
         "CreateChatCompletionStreamResponse": chat.ChatCompletionChunk,

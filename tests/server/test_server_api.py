@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -244,4 +245,8 @@ def test_metrics_and_stats_log(server, client):
     assert m["pagedlm:e2e_request_latency_seconds_count"] >= 1
     assert m["pagedlm:prefix_cache_queries_total"] > 0
     assert 0.0 <= m["pagedlm:kv_cache_usage_perc"] <= 1.0
+    # the stats line comes from a timer (--log-stats-interval 1): within a few intervals
+    deadline = time.monotonic() + 10
+    while "Avg generation throughput" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert "Avg generation throughput" in server.log()

@@ -119,7 +119,7 @@ def test_startup_errors_exit_2_with_a_message(tiny_llama, tmp_path, capsys):
     import pagedlm.core.default_model as default_model
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(default_model, "default_model_offers", lambda: [])
+        mp.setattr(default_model, "default_model_offers", list)
         err = serve("--device", "cpu")
     assert "no model given" in err and "pagedlm-models-gemma[default-model]" in err, err
     # an engine that cannot start (one KV block for a 512-token context) says why

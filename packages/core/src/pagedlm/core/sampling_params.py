@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from pagedlm.core.text import utf8_problem
+
 _SAMPLING_EPS = 1e-5
 
 
@@ -98,6 +100,9 @@ class SamplingParams:
             raise bad("seed", "None or an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "a non-empty string or a list of non-empty strings")
+        for s in self.stop:
+            if (problem := utf8_problem(s)) is not None:
+                raise ValueError(f"stop {problem}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
 

@@ -1,7 +1,7 @@
 """The FastAPI application: routes, API-key check, error handlers.
 
 Routes (OpenAI's, then vLLM's):
-  POST /v1/completions  POST /v1/chat/completions  GET /v1/models
+  POST /v1/completions  POST /v1/chat/completions  GET /v1/models  GET /v1/models/{model}
   POST /tokenize  POST /detokenize  GET /health  GET /version  GET /metrics
 With an API key set, every /v1 route and /tokenize, /detokenize and /metrics need
 ``Authorization: Bearer KEY``; /health and /version stay open for load balancers.
@@ -15,17 +15,18 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedlm.core import EngineDeadError
 from pagedlm.server.errors import APIError, error_body, error_response, install_error_handlers
 from pagedlm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from pagedlm.server.serving_chat import create_chat_completion, render_chat
-from pagedlm.server.serving_common import ServerState, check_model, get_state
+from pagedlm.server.serving_chat import check_messages_length, create_chat_completion, render_chat
+from pagedlm.server.serving_common import ServerState, check_model, check_text_length, get_state, off_loop
 from pagedlm.server.serving_completion import create_completion
 
 _PROTECTED_EXACT = ("/tokenize", "/detokenize", "/metrics")
-# Bodies above this are refused before they are read (a prompt this long cannot fit a context).
+# Bodies above this are refused (a prompt this long cannot fit a context): at once when the
+# Content-Length says so, else as soon as this many bytes have arrived.
 MAX_BODY_BYTES = 64 * 2**20
 
 
@@ -34,6 +35,11 @@ def _version() -> str:
         return importlib.metadata.version("pagedlm-server")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
+
+
+def _too_large() -> APIError:
+    return APIError(f"the request body is larger than the limit of {MAX_BODY_BYTES} bytes "
+                    f"({MAX_BODY_BYTES // 2**20} MiB)", status=413)
 
 
 class GateMiddleware:
@@ -49,16 +55,36 @@ class GateMiddleware:
             return
         headers = dict(scope.get("headers") or ())
         error = self._check(scope["path"], headers)
+        if error is None:
+            body = await self._read_body(receive)
+            if body is None:
+                return  # the client went away while sending
+            if len(body) > MAX_BODY_BYTES:
+                error = _too_large()
         if error is not None:
             await error_response(error)(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        await self.app(scope, _replay(body, receive), send)
+
+    @staticmethod
+    async def _read_body(receive: Receive) -> bytes | None:
+        """The body, read up to one chunk past the limit however it is framed (Content-Length
+        or chunked); None if the client disconnects first."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_BODY_BYTES or not message.get("more_body", False):
+                return b"".join(chunks)
 
     def _check(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
         length = headers.get(b"content-length", b"0")
         if length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return APIError(f"the request body is {int(length)} bytes; at most {MAX_BODY_BYTES} are accepted",
-                            status=413)
+            return _too_large()  # refused before a byte of it is read
         if self.api_key is None or not (path == "/v1" or path.startswith("/v1/") or path in _PROTECTED_EXACT):
             return None
         auth = headers.get(b"authorization")
@@ -69,6 +95,17 @@ class GateMiddleware:
         if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
             return APIError("incorrect API key provided", status=401, code="invalid_api_key")
         return None
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """``receive`` for the app: the body already read, then the client's own messages (the
+    serving code watches them for a disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replayed
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -86,14 +123,21 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await create_chat_completion(get_state(request), body, request)
 
+    def model_card(s: ServerState, name: str) -> dict[str, Any]:
+        engine = s.engine
+        return {"id": name, "object": "model", "created": s.created, "owned_by": "pagedlm",
+                "root": engine.model_config.model, "parent": None, "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
         s = get_state(request)
-        engine = s.engine
-        data = [{"id": name, "object": "model", "created": s.created, "owned_by": "pagedlm",
-                 "root": engine.model_config.model, "parent": None,
-                 "max_model_len": engine.max_model_len} for name in s.served_model_names]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card(s, name) for name in s.served_model_names]}
+
+    @app.get("/v1/models/{model:path}")  # :path: a served name may hold slashes (org/name)
+    async def retrieve_model(model: str, request: Request) -> Any:
+        s = get_state(request)
+        check_model(s, model)
+        return model_card(s, model)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> Any:
@@ -103,19 +147,29 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError("give exactly one of prompt (a string) or messages (a chat)", param="prompt")
         if body.messages is not None:
             gen_prompt = True if body.add_generation_prompt is None else body.add_generation_prompt
-            _, tokens = render_chat(s, body.messages, add_generation_prompt=gen_prompt)
+            check_messages_length(s, body.messages)
+            _, tokens = await off_loop(render_chat, s, body.messages, add_generation_prompt=gen_prompt)
         else:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            check_text_length(s, len(body.prompt or ""), "prompt")
             try:
-                tokens = s.engine.tokenize(body.prompt or "", add_special_tokens=add_special)
+                tokens = await off_loop(s.engine.tokenize, body.prompt or "", add_special_tokens=add_special)
             except ValueError as e:
                 raise APIError(str(e), param="prompt") from None
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": s.engine.max_model_len}
+        token_strs = None
+        if body.return_token_strs:
+            token_strs = await off_loop(s.engine.tokenizer.convert_ids_to_tokens, tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": s.engine.max_model_len,
+                "token_strs": token_strs}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request) -> Any:
         s = get_state(request)
         check_model(s, body.model)
+        # No sequence of this model is longer than its context; more would only cost decode time.
+        if len(body.tokens) > s.engine.max_model_len:
+            raise APIError(f"tokens has {len(body.tokens)} ids; at most max_model_len={s.engine.max_model_len} "
+                           "are accepted", param="tokens")
         vocab = s.engine.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
@@ -123,7 +177,7 @@ def build_app(state: ServerState) -> FastAPI:
         tokenizer = s.engine.tokenizer
         if tokenizer is None:
             raise APIError("detokenize needs a tokenizer, and this server runs without one")
-        return {"prompt": tokenizer.decode(body.tokens)}
+        return {"prompt": await off_loop(tokenizer.decode, body.tokens)}
 
     @app.get("/health")
     async def health(request: Request) -> Any:

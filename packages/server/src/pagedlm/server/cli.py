@@ -34,6 +34,9 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
                              f"(default: ${API_KEY_ENV}, else no key)")
     server.add_argument("--chat-template", default=None, metavar="FILE",
                         help="Jinja chat template file (or inline template) replacing the tokenizer's")
+    server.add_argument("--max-request-sequences", type=int, default=None, metavar="N",
+                        help="most sequences (prompts x n) one request may ask for; more is a 400 "
+                             "(default: --max-num-seqs, what the engine runs at once)")
     server.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM, how long in-flight requests may run before they are aborted")
     server.add_argument("--log-stats-interval", type=float, default=5.0, metavar="SECONDS",
@@ -64,6 +67,8 @@ def run_serve(args: argparse.Namespace) -> int:
         args.served_model_name = args.served_model_name or offer.served_name
         print(f"no MODEL given: serving the default model, {offer.name}, as "
               f"{args.served_model_name or args.model!r}", file=sys.stderr)
+    if args.max_request_sequences is not None and args.max_request_sequences < 1:
+        raise ValueError(f"--max-request-sequences={args.max_request_sequences} is invalid: must be >= 1")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port={args.port} is invalid: must be in 0..65535 (0: any free port)")
     from pagedlm.server.launcher import serve

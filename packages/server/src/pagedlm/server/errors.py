@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedlm.core.logger import init_logger
-from pagedlm.server.protocol import FIELD_NAMES, UNION_FIELDS
+from pagedlm.server.protocol import FIELD_NAMES, TEXT_NOT_UTF8, UNION_FIELDS
 
 logger = init_logger(__name__)
 
@@ -41,6 +41,9 @@ class APIError(Exception):
 
 def error_body(message: str, *, status: int = 400, param: str | None = None, code: str | None = None,
                type: str | None = None) -> dict[str, Any]:
+    # A message may quote the client's text; one that is not valid Unicode must not make the
+    # error itself unencodable (a 500), so such characters are written as escapes.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": type or _TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code}}
 
@@ -96,6 +99,12 @@ def validation_error(errors: list[dict[str, Any]], content_type: str | None = No
         detail = (first.get("ctx") or {}).get("error", "invalid JSON")
         where = f" at position {loc[0]}" if loc and isinstance(loc[0], int) else ""
         return APIError(f"the request body is not valid JSON: {detail}{where}")
+    # Text that is not valid Unicode also fails every other member of a union field (prompt,
+    # stop, content): its own error says what is wrong and where.
+    unencodable = next((e for e in errors if e.get("type") == TEXT_NOT_UTF8), None)
+    if unencodable is not None:
+        path = _path([p for p in unencodable["loc"] if p != "body"])
+        return APIError(f"{path} {unencodable['msg']}", param=path)
     if not loc:
         if kind == "missing":
             return APIError("the request body is empty: send a JSON object")

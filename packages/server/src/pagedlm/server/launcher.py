@@ -64,7 +64,10 @@ def load_chat_template(value: str | None) -> str | None:
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY on accepted connections only when
+    # the socket says it is TCP, and without it Nagle's algorithm holds small responses back for
+    # the client's delayed ACK (~40 ms each).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -95,8 +98,9 @@ async def _serve(args: argparse.Namespace, engine_args: EngineArgs, sock: socket
                                     log_stats=args.log_stats_interval > 0)
     try:
         metrics.cache_blocks.labels(model_name=name).set(engine.num_gpu_blocks)
+        max_sequences = args.max_request_sequences or vllm_config.scheduler_config.max_num_seqs
         state = ServerState(engine=engine, served_model_names=[name], api_key=api_key, chat_template=chat_template,
-                            metrics=metrics)
+                            metrics=metrics, max_request_sequences=max_sequences)
         app = build_app(state)
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=args.access_log,
                                 timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off")

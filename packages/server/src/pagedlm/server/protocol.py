@@ -13,9 +13,12 @@ Responses are built as plain dicts in ``serving_*`` modules, field by field as O
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+
+from pagedlm.core.text import utf8_problem
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Largest seed accepted: choice i of a request with n > 1 samples with seed + i (n <= 128).
@@ -28,6 +31,22 @@ MAX_LOGPROBS = 20
 # as an integer, so 2.0 is accepted there as 2 (2.5 and "2" are still refused).
 _INT_FIELDS = frozenset({"n", "seed", "top_k", "min_tokens", "max_tokens", "logprobs", "best_of",
                          "max_completion_tokens", "top_logprobs", "stop_token_ids", "prompt", "tokens"})
+
+
+#: the pydantic error type of text that cannot be encoded as UTF-8 (errors.py reports it first)
+TEXT_NOT_UTF8 = "text_not_utf8"
+
+
+def _encodable(value: str) -> str:
+    problem = utf8_problem(value)
+    if problem is not None:
+        raise PydanticCustomError(TEXT_NOT_UTF8, "{problem}", {"problem": problem})
+    return value
+
+
+#: a string that must be valid Unicode: every string of a request is one, since each may reach a
+#: tokenizer, a stop-string matcher or an error message encoded as UTF-8
+Text = Annotated[str, AfterValidator(_encodable)]
 
 
 def _integral(value: Any) -> Any:
@@ -54,20 +73,20 @@ class StreamOptions(OpenAIModel):
 class SamplingFields(OpenAIModel):
     """Sampling parameters shared by completions and chat (OpenAI's, then vLLM's extensions)."""
 
-    model: str | None = Field(None, description="served model name; default: the only model served")
+    model: Text | None = Field(None, description="served model name; default: the only model served")
     n: int | None = Field(None, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = Field(None, ge=INT64_MIN, le=MAX_SEED)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = Field(
+    logit_bias: dict[Text, float] | None = Field(
         None, description="token id (as a string) -> bias in [-100, 100] added to its logit"
     )
-    user: str | None = None
+    user: Text | None = None
     # vLLM extensions
     top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables top-k")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -80,26 +99,26 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: Text | list[Text] | list[int] | list[list[int]] = Field(
         description="a string, a list of strings, a list of token ids or a list of lists of token ids"
     )
     max_tokens: int | None = Field(None, ge=1, description="default 16")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = None
-    suffix: str | None = Field(None, description="not supported: must be null")
+    suffix: Text | None = Field(None, description="not supported: must be null")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="must equal n when given")
     add_special_tokens: bool | None = None
 
 
 class ChatContentPart(OpenAIModel):
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ChatContentPart] | None = None
-    name: str | None = None
+    content: Text | list[ChatContentPart] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -115,15 +134,16 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(OpenAIModel):
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
+    return_token_strs: bool | None = Field(None, description="also return the tokenizer's piece of every id")
 
 
 class DetokenizeRequest(OpenAIModel):
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int]
 
 

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 
 from pagedlm.core import EngineDeadError
 from pagedlm.core.outputs import RequestOutput, SampleLogprobs
+from pagedlm.core.text import utf8_problem
 from pagedlm.server.errors import APIError, error_response, logger
 from pagedlm.server.protocol import ChatCompletionRequest, ChatMessage
 from pagedlm.server.serving_common import (
@@ -20,10 +21,13 @@ from pagedlm.server.serving_common import (
     bad_request,
     check_engine,
     check_model,
+    check_sequences,
+    check_text_length,
     engine_dead,
     finish_reason,
     finite,
     make_sampling_params,
+    off_loop,
     random_id,
     sse,
     sse_error,
@@ -32,6 +36,17 @@ from pagedlm.server.serving_common import (
     until_disconnect,
     usage,
 )
+
+
+def check_messages_length(state: ServerState, messages: list[ChatMessage], param: str = "messages") -> None:
+    """The character cap of one prompt, applied to the messages' text before templating."""
+    num_chars = 0
+    for message in messages:
+        if isinstance(message.content, str):
+            num_chars += len(message.content)
+        elif message.content is not None:
+            num_chars += sum(len(part.text or "") for part in message.content)
+    check_text_length(state, num_chars, param)
 
 
 def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
@@ -66,6 +81,8 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
     except Exception as e:  # noqa: BLE001 - jinja's errors (TemplateError, UndefinedError, ...) are bad input
         raise APIError(f"cannot apply the chat template to these messages: {type(e).__name__}: {e}",
                        param=param) from None
+    if (problem := utf8_problem(text)) is not None:  # a template can write escapes of its own
+        raise APIError(f"the chat template's output {problem}", param=param)
     # The template writes the special tokens (BOS, role markers) itself.
     token_ids = tokenizer(text, add_special_tokens=False).input_ids
     return text, list(token_ids)
@@ -89,7 +106,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     params = make_sampling_params(req, max_tokens=max_tokens, logprobs=num_logprobs, prompt_logprobs=None,
                                   stream=stream)
     add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
-    text, token_ids = render_chat(state, req.messages, add_generation_prompt=add_generation_prompt)
+    check_sequences(state, 1, params.n)
+    check_messages_length(state, req.messages)
+    text, token_ids = await off_loop(render_chat, state, req.messages, add_generation_prompt=add_generation_prompt)
     try:
         state.engine.validate_prompt(token_ids, params)
     except ValueError as e:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import json
 import math
+import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -19,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 from pagedlm.core import EngineClient, EngineDeadError
 from pagedlm.core.outputs import Logprob
 from pagedlm.core.sampling_params import RequestOutputKind, SamplingParams
-from pagedlm.server.errors import APIError, error_body, param_of_message
+from pagedlm.server.errors import APIError, error_body, param_of_message, short_repr
 from pagedlm.server.protocol import SamplingFields
 
 T = TypeVar("T")
@@ -38,6 +41,8 @@ class ServerState:
     chat_template: str | None = None  # overrides the tokenizer's template when set
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: Any = None  # pagedlm.server.metrics.PrometheusStatLogger
+    #: most sequences (prompts x n) one request may create; None: no limit (--max-request-sequences)
+    max_request_sequences: int | None = None
 
     @property
     def model_name(self) -> str:
@@ -64,25 +69,71 @@ def engine_dead(error: BaseException) -> APIError:
     return APIError(f"the engine is not available: {error}", status=503)
 
 
+# A text longer than this many characters per token of the context cannot fit it (a token is
+# rarely more than a few characters; only runs like 32 spaces come close to this), so it is
+# refused before the tokenizer spends seconds on it.
+MAX_CHARS_PER_TOKEN = 32
+
+
+def check_text_length(state: ServerState, num_chars: int, param: str) -> None:
+    limit = MAX_CHARS_PER_TOKEN * state.engine.max_model_len
+    if num_chars > limit:
+        raise APIError(f"{param} is {num_chars} characters long; at most {limit} are accepted "
+                       f"({MAX_CHARS_PER_TOKEN} characters per token of max_model_len={state.engine.max_model_len}), "
+                       "and even that many would not fit unless tokens averaged that long", param=param)
+
+
+def check_sequences(state: ServerState, num_prompts: int, n: int) -> None:
+    """Bound the work one request creates: every prompt runs n sequences in the engine."""
+    limit = state.max_request_sequences
+    if limit is not None and num_prompts * n > limit:
+        raise APIError(f"this request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; at "
+                       f"most {limit} are allowed per request (the server's --max-request-sequences)",
+                       param="n" if n > limit or num_prompts == 1 else "prompt")
+
+
+# One worker: tokenizers are not documented as thread-safe, and one thread also bounds how much
+# CPU the preparation of requests can take from the event loop and the engine.
+_tokenizer_thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedlm-tokenize")
+
+
+async def off_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` on the tokenizer thread: tokenizing, templating or decoding a
+    long text takes long enough to stall every other request (and /health) on the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(_tokenizer_thread, functools.partial(fn, *args, **kwargs))
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
 # -- parameters --------------------------------------------------------------------------------
+# A token id written as a string: ASCII digits only. int() would also take " 7", "+7", "7_0" and
+# other scripts' digits ("\u0667"), which no client means as a token id.
+_TOKEN_ID_KEY = re.compile(r"[0-9]+")
+
+
 def parse_logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    """Token id -> bias; every bad key and bias is named in one 400, not just the first."""
     if raw is None:
         return None
     bias: dict[int, float] = {}
+    bad_keys, bad_values = [], []
     for key, value in raw.items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise APIError(f"logit_bias key {key!r} is invalid: keys must be token ids written as integers",
-                           param="logit_bias") from None
-        if not -100.0 <= value <= 100.0:
-            raise APIError(f"logit_bias[{key!r}]={value} is invalid: biases must be in [-100, 100]",
-                           param="logit_bias")
-        bias[token_id] = float(value)
+        if _TOKEN_ID_KEY.fullmatch(key) is None:
+            bad_keys.append(short_repr(key))
+        elif not -100.0 <= value <= 100.0:
+            bad_values.append(f"{short_repr(key)}: {value}")
+        else:
+            bias[int(key)] = float(value)
+    problems = []
+    if bad_keys:
+        problems.append(f"keys {', '.join(bad_keys)} are not token ids (keys must be non-negative integers "
+                        "written with the digits 0-9 only)")
+    if bad_values:
+        problems.append(f"biases {{{', '.join(bad_values)}}} are outside [-100, 100]")
+    if problems:
+        raise APIError(f"logit_bias is invalid: {'; '.join(problems)}", param="logit_bias")
     return bias
 
 

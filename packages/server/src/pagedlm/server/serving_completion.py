@@ -26,11 +26,14 @@ from pagedlm.server.serving_common import (
     bad_request,
     check_engine,
     check_model,
+    check_sequences,
+    check_text_length,
     engine_dead,
     finish_reason,
     finite,
     make_sampling_params,
     merge,
+    off_loop,
     random_id,
     sse,
     sse_error,
@@ -62,12 +65,18 @@ class _Prompt:
         self.token_ids = token_ids
 
 
-def _prepare(state: ServerState, req: CompletionRequest, params: SamplingParams) -> list[_Prompt]:
+def _where(req: CompletionRequest, i: int) -> str:
+    return "prompt" if not isinstance(req.prompt, list) or isinstance(req.prompt[0], int) else f"prompt[{i}]"
+
+
+def _prepare(state: ServerState, req: CompletionRequest, params: SamplingParams,
+             raw_prompts: list[str | list[int]]) -> list[_Prompt]:
+    """Tokenize and validate every prompt (slow for long prompts: run it off the event loop)."""
     engine = state.engine
     add_special = True if req.add_special_tokens is None else req.add_special_tokens
     prompts = []
-    for i, raw in enumerate(_prompts(req)):
-        where = "prompt" if not isinstance(req.prompt, list) or isinstance(req.prompt[0], int) else f"prompt[{i}]"
+    for i, raw in enumerate(raw_prompts):
+        where = _where(req, i)
         try:
             if isinstance(raw, str):
                 ids = engine.tokenize(raw, add_special_tokens=add_special)
@@ -102,7 +111,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         req, max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, logprobs=req.logprobs,
         prompt_logprobs=req.logprobs if echo and req.logprobs is not None else None, stream=stream,
     )
-    prompts = _prepare(state, req, params)
+    raw_prompts = _prompts(req)
+    check_sequences(state, len(raw_prompts), n)
+    for i, text in enumerate(raw_prompts):
+        if isinstance(text, str):
+            check_text_length(state, len(text), _where(req, i))
+    prompts = await off_loop(_prepare, state, req, params, raw_prompts)
     request_id = random_id("cmpl")
     created = int(time.time())
     gens = [

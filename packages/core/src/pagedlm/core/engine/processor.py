@@ -9,6 +9,7 @@ from typing import Any
 from pagedlm.core.config import VllmConfig
 from pagedlm.core.request import EngineCoreRequest
 from pagedlm.core.sampling_params import SamplingParams
+from pagedlm.core.text import utf8_problem
 
 #: a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [int, ...]}`` (vLLM's prompt types)
 PromptType = str | Mapping[str, Any]
@@ -43,6 +44,8 @@ class Processor:
                 raise ValueError(f"prompt must be a string, got {type(text).__name__}")
             if not text:
                 raise ValueError("prompt is empty: it must contain at least one character")
+            if (problem := utf8_problem(text)) is not None:
+                raise ValueError(f"prompt {problem}")
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; this engine runs with skip_tokenizer_init=True")
             token_ids = self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
