@@ -89,8 +89,10 @@ def reference(tiny_gemma3: str):
         {},
         # chunked prefill: a long prompt's chunks must still see exactly the last WINDOW keys
         {"max_num_batched_tokens": 8, "max_num_seqs": 3, "enable_prefix_caching": False},
-        # 2-token blocks: windows span several blocks; preemption recomputes from scratch
-        {"block_size": 2, "num_gpu_blocks_override": 90, "max_model_len": 160},
+        # 2-token blocks: windows span several blocks; preemption recomputes from scratch. One
+        # full and three sliding KV-cache groups of one layer each; with 16-token chunks one
+        # request needs at most 80 + 3 x 13 blocks, and the full group's growth forces preemption.
+        {"block_size": 2, "num_gpu_blocks_override": 120, "max_model_len": 160, "max_num_batched_tokens": 16},
     ],
     ids=["default", "chunked", "small-blocks-preempt"],
 )
@@ -136,6 +138,7 @@ def test_tiny_gemma3_gguf_roundtrip_matches_hf(tiny_gemma3: str, tmp_path: Path)
     model.save_pretrained(str(ref_dir))
     build_bpe_tokenizer(ref_dir, vocab_size=512, model_max_length=512, style="gpt2")
     ref = hf_greedy(ref_dir, prompts()[:3], MAX_NEW)
-    llm = LLM(model=path, dtype="float32", device="cpu", num_gpu_blocks_override=64)
+    # four KV-cache groups of one layer: 32 blocks each at max_model_len 512
+    llm = LLM(model=path, dtype="float32", device="cpu", num_gpu_blocks_override=128)
     assert llm.llm_engine.vllm_config.load_config.load_format == "gguf"
     assert_greedy_matches_hf(path, prompts()[:3], MAX_NEW, llm=llm, reference=ref)
