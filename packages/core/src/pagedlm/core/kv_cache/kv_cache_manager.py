@@ -59,6 +59,9 @@ class KVCacheManager:
             for group_id, group in enumerate(groups)
         ]
         self.num_groups = len(groups)
+        #: the one manager of a single full-attention group (most models), for the decode fast path
+        self._single_full = self.managers[0] if groups == [KVCacheGroupSpec(groups[0].layer_names,
+                                                                            FullAttentionSpec())] else None
         # NOTE: shared empty hit lists: nothing appends to a hit list, it is only read.
         self._no_blocks: GroupBlocks = tuple([] for _ in groups)
         self.prefix_cache_stats = PrefixCacheStats()
@@ -125,6 +128,16 @@ class KVCacheManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens={num_new_tokens} is invalid: must be >= 0")
         request_id = request.request_id
+        single = self._single_full
+        if single is not None and not new_computed_blocks:
+            # The common case (a decode step of a one-table model): the held blocks may have room.
+            req_blocks = single.req_to_blocks.get(request_id)
+            num_total_tokens = request.num_computed_tokens + num_new_tokens
+            if req_blocks and num_total_tokens <= len(req_blocks) * self.block_size \
+                    and num_total_tokens <= self.max_model_len:
+                if self.enable_caching:
+                    single.cache_blocks(request, min(num_total_tokens, request.num_tokens))
+                return self._no_blocks
         managers = self.managers
         is_new = request_id not in managers[0].req_to_blocks
         hits = new_computed_blocks or self._no_blocks
@@ -140,8 +153,9 @@ class KVCacheManager:
                 f"request {request_id!r} needs KV slots for {num_total_tokens} tokens, more "
                 f"than max_model_len={self.max_model_len}"
             )
-        for manager in managers:
-            manager.remove_skipped_blocks(request_id, num_computed_tokens)
+        if single is None:
+            for manager in managers:
+                manager.remove_skipped_blocks(request_id, num_computed_tokens)
         # Hit blocks that are currently free leave the free pool when touched, so they compete
         # with the new blocks for the same free slots.
         num_needed = 0
