@@ -122,6 +122,10 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     A query at position ``p`` sees positions ``p - W + 1 .. p``; the next query of a request is
     at ``num_computed_tokens`` (also the first query of a prefill chunk), so every position before
     ``num_computed_tokens - W + 1`` is dead, and so is every whole block of them.
+
+    NOTE: a step still in flight (async scheduling, pipeline stages) may read a block freed while
+    the next step is scheduled: its last query is one position earlier. That is safe because a
+    freed block is only rewritten by a later step, and every rank runs its steps in order.
     """
 
     def __init__(self, block_pool: BlockPool, block_size: int, group_id: int, sliding_window: int) -> None:
