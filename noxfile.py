@@ -5,7 +5,8 @@
     nox -s lint           ruff
     nox -s typecheck      mypy
     nox -s build          build every wheel and check its layout (namespace portions, py.typed)
-    nox -s demo           install the CPU stack and run `pagedlm demo`
+    nox -s demo           install the CPU stack with the default model and run `pagedlm generate`
+    nox -s newcomer       clone the repository into a temporary folder and run the README's two commands
 
 Virtualenvs are reused between runs (``nox.options.reuse_venv``); pass ``--reuse-venv=no`` for a
 fresh one. Arguments after ``--`` go to pytest in the tests sessions.
@@ -182,3 +183,28 @@ def demo(session: nox.Session) -> None:
     _install_cpu_stack(session, [PACKAGES_DIR / n for n in names], f"{PACKAGES_DIR / 'models-gemma'}[default-model]")
     prompt = session.posargs or ["The history of the printing press begins in"]
     session.run("pagedlm", "generate", *prompt, "--max-tokens", "48")
+
+
+def readme_commands() -> list[str]:
+    """The shell commands of the README's "Two commands" block, in order, comments dropped."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = text.split("## Two commands", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    return [line.strip() for line in block.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+@nox.session(venv_backend="none")
+def newcomer(session: nox.Session) -> None:
+    """Clone this repository's HEAD into a temporary folder (nothing beside it: no ../shared) and
+    run the README's two commands there exactly as written, as a new user would."""
+    import tempfile
+
+    commands = readme_commands()
+    if len(commands) != 2:
+        session.error(f"the README's 'Two commands' block has {len(commands)} commands: {commands}")
+    with tempfile.TemporaryDirectory(prefix="pagedlm-newcomer-") as tmp:
+        clone = Path(tmp) / "pagedlm"
+        session.run("git", "clone", "--quiet", str(ROOT), str(clone), external=True)
+        session.chdir(str(clone))
+        for command in commands:
+            session.log(f"README command: {command}")
+            session.run("bash", "-c", command, external=True)

@@ -177,3 +177,86 @@ def test_attention_backend_of_another_device_is_refused(tiny_llama, monkeypatch)
     with pytest.raises(ValueError, match=r"attention_backend='triton' does not run on device='cpu' \(it supports "
                                          r"cuda\); backends for cpu: \['cpu_paged'\]"):
         LLM(model=tiny_llama, device="cpu", attention_backend="triton")
+
+
+def test_cuda_probe_refuses_rocm_builds(monkeypatch):
+    """A ROCm torch answers torch.cuda calls for AMD GPUs; those belong to another platform."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", "6.2.0", raising=False)
+    assert cuda_plugin.cuda_is_available() is False
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    assert cuda_plugin.cuda_is_available() is True
+
+
+def test_platform_services_are_declared_by_each_platform():
+    from pagedlm.backends.cuda.platform import CudaPlatform
+
+    cpu, cuda = CpuPlatform(), CudaPlatform()
+    assert (cpu.ray_device_key, cuda.ray_device_key) == ("CPU", "GPU")
+    assert (cpu.visible_devices_env_var, cuda.visible_devices_env_var) == (None, "CUDA_VISIBLE_DEVICES")
+    assert cpu.is_pin_memory_available() is False and cuda.is_pin_memory_available() is True
+    assert cpu.record_event() is None and cpu.allocated_memory_bytes(torch.device("cpu")) is None
+    assert (cpu.profiler_activity, cuda.profiler_activity) == (None, "CUDA")
+
+
+def test_core_asks_the_platform_instead_of_testing_device_types():
+    """No core module tests a device-type string or calls torch.cuda: that is the platforms' job.
+    Host memory is named through ``pagedlm.core.platforms.HOST``."""
+    import re
+    from pathlib import Path
+
+    import pagedlm.core
+
+    root = Path(pagedlm.core.__file__).parent
+    # the interface's own defaults, and docstrings/comments that name devices as examples
+    allowed = {"platforms/interface.py"}
+    pattern = re.compile(r'"cuda"|"cpu"|torch\.cuda')
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel in allowed or rel.startswith("testing/"):
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if pattern.search(code) and not code.strip().startswith(("``", '"""')) and "``" not in code:
+                offenders.append(f"{rel}:{number}: {line.strip()}")
+    assert not offenders, "device-type tests in core:\n" + "\n".join(offenders)
+
+
+def test_backends_declare_what_they_support():
+    from pagedlm.backends.cpu.attention import CpuPagedAttentionBackend
+    from pagedlm.backends.cuda.flash_attn import FlashAttentionBackend
+    from pagedlm.backends.cuda.triton_attn import TritonAttentionBackend
+
+    assert TritonAttentionBackend.supports_graphs and not CpuPagedAttentionBackend.supports_graphs
+    assert not FlashAttentionBackend.supports_graphs  # never run here: no graphs until it is
+    FlashAttentionBackend.validate(head_size=128, dtype=torch.bfloat16, block_size=256)
+    with pytest.raises(ValueError, match="'flash_attn' needs block_size to be a multiple of 256; got block_size=16"):
+        FlashAttentionBackend.validate(head_size=128, dtype=torch.bfloat16, block_size=16)
+    from pagedlm.backends.cuda.platform import CudaPlatform
+
+    assert CudaPlatform().get_attn_backend_name(VllmConfig()) == "triton"  # flash_attn only on request
+
+
+def test_triton_builder_declares_its_precompile_variants():
+    """Every split count a decode batch can be built with, each once, then one prefill."""
+    from pagedlm.backends.cuda.triton_attn import TritonAttentionMetadataBuilder
+    from pagedlm.core.attention import CommonAttentionMetadata
+
+    def stage(num_tokens, num_reqs):
+        qsl = torch.tensor([0, *range(num_tokens - num_reqs + 1, num_tokens + 1)], dtype=torch.int32)
+        seq = torch.ones(num_reqs, dtype=torch.int32)
+        return CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, seq_lens_cpu=seq,
+            num_computed_tokens_cpu=torch.zeros(num_reqs, dtype=torch.int32),
+            block_table=torch.zeros(num_reqs, 256, dtype=torch.int32),
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64), num_reqs=num_reqs,
+            num_actual_tokens=num_tokens, max_query_len=num_tokens - num_reqs + 1, max_seq_len=4096)
+
+    builder = TritonAttentionMetadataBuilder(block_size=16, device=torch.device("cpu"))
+    builder.num_sms = 132
+    builder.bind_model(num_kv_heads=1, head_size=256)
+    variants = list(builder.precompile_metadata([1, 2, 4, 256], 16, stage))
+    splits = [m.num_splits for n, m in variants[:-1]]
+    assert splits == [1, 2, 4, 8, 16] and len(set(splits)) == len(splits)
+    assert variants[-1][0] == 16 and variants[-1][1].max_query_len == 16

@@ -114,6 +114,31 @@ def test_repetition_penalty_matches_hf(llm, tiny_llama):
     assert ours != plain, "the penalty should change this greedy output"
 
 
+def test_streamed_generation_matches_batch_generation(llm):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["The first prompt", "and a second one"]
+    batch = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    streamed = [(p, list(pieces)) for p, pieces in llm.generate_streamed(prompts, params)]
+    assert [p for p, _ in streamed] == prompts
+    assert ["".join(pieces) for _, pieces in streamed] == batch
+    assert len(streamed[0][1]) > 1, "the first prompt's text came in one piece: not streamed"
+
+
+def test_missing_chat_template_error_names_the_argument(tiny_checkpoint_factory, tmp_path):
+    import shutil
+
+    no_template = tmp_path / "no-template"
+    shutil.copytree(tiny_checkpoint_factory("llama"), no_template)
+    config = json.loads((no_template / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (no_template / "tokenizer_config.json").write_text(json.dumps(config))
+    for extra in no_template.glob("chat_template.*"):
+        extra.unlink()
+    llm = LLM(model=str(no_template), dtype="float32", device="cpu", kv_cache_memory_bytes=16 << 20)
+    with pytest.raises(ValueError, match=r"chat_template=.*--chat-template"):
+        llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
+
+
 def test_chat_uses_the_template(llm):
     messages = [{"role": "user", "content": "hi there"}]
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
@@ -133,6 +158,11 @@ def test_chat_uses_the_template(llm):
         ({"max_tokens": 0}, ["max_tokens", ">= 1"]),
         ({"n": 0}, ["n="]),
         ({"repetition_penalty": 0.0}, ["repetition_penalty"]),
+        # NaN passes every range comparison; infinities are no probabilities or penalties either
+        *[({name: value}, [name, "finite"]) for name in ("temperature", "top_p", "min_p", "presence_penalty",
+                                                          "frequency_penalty", "repetition_penalty")
+          for value in (float("nan"), float("inf"))],
+        ({"logit_bias": {3: float("nan")}}, ["logit_bias", "finite"]),
     ],
 )
 def test_bad_sampling_params(kwargs, words):
@@ -226,6 +256,13 @@ def test_cli_generate(tiny_llama):
     )
     assert proc.returncode == 0, proc.stderr
     assert "--- prompt: 'Hello world'" in proc.stdout
+    # streamed (the default) and --no-stream print the same greedy text
+    quiet = subprocess.run(
+        [sys.executable, "-m", "pagedlm.core.cli", "generate", "--model", tiny_llama, "Hello world",
+         "--max-tokens", "5", "--dtype", "float32", "--no-stream"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert quiet.returncode == 0 and quiet.stdout == proc.stdout, (quiet.stdout, proc.stdout)
     bad = subprocess.run([sys.executable, "-m", "pagedlm.core.cli", "generate", "--model", tiny_llama, "x",
                           "--temperature", "-1"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "temperature" in bad.stderr and "Traceback" not in bad.stderr

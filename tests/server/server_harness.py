@@ -34,13 +34,14 @@ def free_port() -> int:
 class ServerProcess:
     """A `pagedlm serve` child process with its log in a file."""
 
-    def __init__(self, model: str, log_path: Path, *args: str, api_key: str | None = API_KEY,
+    def __init__(self, model: str | None, log_path: Path, *args: str, api_key: str | None = API_KEY,
                  env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "pagedlm.core.cli", "serve", model, "--port", str(self.port),
+        # no model: `pagedlm serve` serves the default model
+        cmd = [sys.executable, "-m", "pagedlm.core.cli", "serve", *([model] if model else []), "--port", str(self.port),
                "--device", "cpu", "--dtype", "float32", "--log-stats-interval", "1", *args]
         if api_key:
             cmd += ["--api-key", api_key]
@@ -110,6 +111,12 @@ class ServerProcess:
 
 
 # -- OpenAI's schemas ------------------------------------------------------------------------------
+#: a completion stream chunk: OpenAI documents one shape for the completion object and its chunks,
+#: but streams "finish_reason": null until a choice ends; only that field is relaxed, to what
+#: OpenAI sends
+COMPLETION_CHUNK = "CreateCompletionResponse(stream chunk)"
+
+
 def _openapi30_nullable(node: Any) -> Any:
     """OpenAPI 3.0's ``nullable: true`` as JSON Schema (``anyOf [..., null]``).
 
@@ -139,15 +146,21 @@ class OpenAISchemas:
         self.spec = _openapi30_nullable(spec)
         self.registry = Registry().with_resource(self.BASE, DRAFT202012.create_resource(self.spec))
 
+    source = "OpenAI's OpenAPI document"
+
     def schema(self, name: str) -> dict[str, Any]:
+        if name == COMPLETION_CHUNK:
+            schema = self.schema("CreateCompletionResponse")
+            choice = schema["properties"]["choices"]["items"]["properties"]
+            choice["finish_reason"] = {"anyOf": [choice["finish_reason"], {"type": "null"}]}
+            return schema
         return copy.deepcopy(self.spec["components"]["schemas"][name])
 
-    def validate(self, name: str, body: Any, schema: dict[str, Any] | None = None) -> None:
-        """Raise ``jsonschema.ValidationError`` unless ``body`` fits (``schema``: a patched copy)."""
+    def validate(self, name: str, body: Any) -> None:
+        """Raise ``jsonschema.ValidationError`` unless ``body`` fits ``components/schemas/name``."""
         import jsonschema
 
-        target = self._rebase(schema if schema is not None else self.spec["components"]["schemas"][name])
-        jsonschema.Draft202012Validator(target, registry=self.registry).validate(body)
+        jsonschema.Draft202012Validator(self._rebase(self.schema(name)), registry=self.registry).validate(body)
 
     def _rebase(self, node: Any) -> Any:
         # "#/components/..." in a schema taken out of the document must point back into it.
@@ -157,3 +170,50 @@ class OpenAISchemas:
             return {k: (self.BASE + v if k == "$ref" and isinstance(v, str) and v.startswith("#")
                         else self._rebase(v)) for k, v in node.items()}
         return node
+
+
+class OpenAITypedModels:
+    """The same checks through the ``openai`` package's typed models (pydantic, generated from
+    OpenAI's document), for a checkout without the document beside it. Looser than the document
+    (extra fields are allowed, values are coerced), so CI validates against the document itself."""
+
+    source = "the openai package's typed models"
+
+    def validate(self, name: str, body: Any) -> None:
+        """Raise ``pydantic.ValidationError`` unless ``body`` fits the type standing for ``name``."""
+        from pydantic import TypeAdapter
+
+        if name == COMPLETION_CHUNK:
+            body = copy.deepcopy(body)
+            for choice in body.get("choices", []):
+                if choice.get("finish_reason") is None:
+                    choice["finish_reason"] = "stop"  # the chunk-only null the document allows
+            name = "CreateCompletionResponse"
+        TypeAdapter(_typed_model(name)).validate_python(body, strict=False)
+
+
+def _typed_model(name: str) -> Any:
+    from typing import Literal
+
+    import openai.types as types
+    import openai.types.chat as chat
+    from openai.types.shared import ErrorObject
+    from pydantic import BaseModel
+
+    class ListModels(BaseModel):
+        object: Literal["list"]
+        data: list[types.Model]
+
+    class ErrorResponse(BaseModel):
+        error: ErrorObject
+
+    models = {
+        "ListModelsResponse": ListModels,
+        "CreateCompletionResponse": types.Completion,
+        "CreateChatCompletionResponse": chat.ChatCompletion,
+        "CreateChatCompletionStreamResponse": chat.ChatCompletionChunk,
+        "ErrorResponse": ErrorResponse,
+    }
+    if name not in models:
+        raise KeyError(f"no openai typed model stands for {name!r}; known: {sorted(models)}")
+    return models[name]

@@ -11,13 +11,16 @@ from collections.abc import Sequence
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     from pagedlm.core.engine.arg_utils import EngineArgs
 
-    p = subparsers.add_parser("generate", help="generate text offline for one or more prompts")
+    p = subparsers.add_parser("generate", help="generate text offline for one or more prompts",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("prompts", nargs="+", help="prompt text (one or more)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest set of this probability")
+    p.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely tokens (-1: all)")
     p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                   help="print text as it is generated (--no-stream: each prompt's text once it is done)")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_run_generate)
 
@@ -30,16 +33,19 @@ def _run_generate(args: argparse.Namespace) -> int:
     if engine_args.model is None:
         from pagedlm.core.default_model import resolve_default_model
 
-        engine_args.model, name = resolve_default_model()  # ValueError: how to install one or pass --model
-        print(f"model: {name}, the default model ({engine_args.model})", file=sys.stderr)
+        engine_args.model, offer = resolve_default_model()  # ValueError: how to install one or pass --model
+        engine_args.served_model_name = engine_args.served_model_name or offer.served_name
+        print(f"model: {offer.name}, the default model ({engine_args.model})", file=sys.stderr)
     else:
         print(f"model: {engine_args.model}", file=sys.stderr)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed)
     llm = LLM(**vars(engine_args))
-    for output in llm.generate(list(args.prompts), params, use_tqdm=False):
-        print(f"--- prompt: {output.prompt!r}")
-        print(output.outputs[0].text)
+    for prompt, text_pieces in llm.generate_streamed(list(args.prompts), params, stream=args.stream):
+        print(f"--- prompt: {prompt!r}", flush=True)
+        for piece in text_pieces:
+            print(piece, end="", flush=True)
+        print(flush=True)
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -53,6 +54,9 @@ class ModelConfig:
     revision: str | None = None
     served_model_name: str | None = None
     generation_config: dict[str, Any] = field(default_factory=dict)
+    #: vLLM's ``hf_overrides``: fields set on the loaded HF config (a nested dict updates a
+    #: sub-config such as ``text_config``), or a callable ``config -> config``
+    hf_overrides: dict[str, Any] | Callable[[Any], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -80,6 +84,8 @@ class ModelConfig:
                 self.generation_config = {**_read_generation_config(self.model), **self.generation_config}
         if self.tokenizer is None:
             self.tokenizer = self.model
+        if self.hf_config is not None and self.hf_overrides:
+            self.hf_config = _apply_hf_overrides(self.hf_config, self.hf_overrides)
         if self.hf_config is not None:
             derived = self._derived_max_model_len()
             if self.max_model_len is None:
@@ -180,10 +186,14 @@ class ModelConfig:
                 return value
         return 2048
 
-    def resolve_dtype(self, platform_default: torch.dtype, supported: tuple[torch.dtype, ...]) -> torch.dtype:
-        """``"auto"``: the checkpoint's dtype, or the platform default for fp32 checkpoints."""
+    def resolve_dtype(self, platform_default: torch.dtype, supported: tuple[torch.dtype, ...],
+                      auto: Callable[[torch.dtype], torch.dtype] | None = None) -> torch.dtype:
+        """``"auto"``: ``auto(checkpoint dtype)`` (the platform's choice) when given, else the
+        checkpoint's dtype, or the platform default for fp32 checkpoints."""
         if isinstance(self.dtype, torch.dtype):
             dtype = self.dtype
+        elif self.dtype == "auto" and auto is not None:
+            dtype = auto(self.config_dtype)
         elif self.dtype == "auto":
             dtype = self.config_dtype if self.config_dtype != torch.float32 else platform_default
         else:
@@ -193,6 +203,20 @@ class ModelConfig:
             raise ValueError(f"dtype={_dtype_name(dtype)} is not supported on this platform; allowed: {allowed}")
         self.dtype = dtype
         return dtype
+
+
+def _apply_hf_overrides(config: Any, overrides: dict[str, Any] | Callable[[Any], Any]) -> Any:
+    if callable(overrides):
+        return overrides(config)
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides={overrides!r} must be a dict of config fields or a callable")
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and current is not None and not isinstance(current, dict):
+            _apply_hf_overrides(current, value)  # a sub-config (text_config, vision_config, ...)
+        else:
+            setattr(config, key, value)
+    return config
 
 
 def _read_generation_config(model_dir: str) -> dict[str, Any]:
@@ -356,7 +380,7 @@ class VllmConfig:
         if sc.max_num_batched_tokens is None and sc.enable_chunked_prefill:
             sc.max_num_batched_tokens = platform.default_max_num_batched_tokens(self.usage_context)
         if mc.hf_config is not None:
-            mc.resolve_dtype(platform.default_dtype, platform.supported_dtypes)
+            mc.resolve_dtype(platform.default_dtype, platform.supported_dtypes, platform.auto_dtype)
             self.scheduler_config.finalize(int(mc.max_model_len or 2048))
         else:
             self.scheduler_config.finalize(self.scheduler_config.max_model_len)

@@ -29,6 +29,8 @@ class DefaultModel:
     resolve: str
     priority: int = 0
     install_hint: str | None = None
+    #: the short name the server and outputs report (``--served-model-name``) instead of a path
+    served_name: str | None = None
 
 
 def default_model_offers() -> list[DefaultModel]:
@@ -37,8 +39,9 @@ def default_model_offers() -> list[DefaultModel]:
 
     offers: list[DefaultModel] = []
 
-    def register(name: str, resolve: str, priority: int = 0, install_hint: str | None = None) -> None:
-        offers.append(DefaultModel(str(name), str(resolve), int(priority), install_hint))
+    def register(name: str, resolve: str, priority: int = 0, install_hint: str | None = None,
+                 served_name: str | None = None) -> None:
+        offers.append(DefaultModel(str(name), str(resolve), int(priority), install_hint, served_name))
 
     get_plugins().hook.pagedlm_default_model(register=register)
     return sorted(offers, key=lambda o: -o.priority)
@@ -54,8 +57,8 @@ def _no_model_message(hints: list[str]) -> str:
     )
 
 
-def resolve_default_model() -> tuple[str, str]:
-    """``(path, name)`` of the default model, prepared for use.
+def resolve_default_model() -> tuple[str, DefaultModel]:
+    """``(path, offer)`` of the default model, prepared for use.
 
     Raises ``ValueError`` saying how to install one (or to pass a model) when no plugin offers a
     model whose files are present.
@@ -68,7 +71,7 @@ def resolve_default_model() -> tuple[str, str]:
         path = fn()
         if path:
             logger.info("no model given; using the default model %s (%s)", offer.name, path)
-            return str(path), offer.name
+            return str(path), offer
         if offer.install_hint:
             hints.append(offer.install_hint)
     raise ValueError(_no_model_message(hints))

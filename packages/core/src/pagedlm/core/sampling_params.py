@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -59,6 +60,14 @@ class SamplingParams:
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"{name}={getattr(self, name)!r} is invalid: must be {allowed}")
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            # NOTE: every range check below is False for NaN, which would slip through them
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, "a finite number")
+        if self.logit_bias and any(not math.isfinite(float(b)) for b in self.logit_bias.values()):
+            raise bad("logit_bias", "a map of token ids to finite numbers")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "an integer >= 1")
         if self.temperature < 0.0:

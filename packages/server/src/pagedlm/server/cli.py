@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from pagedlm.core.engine.arg_utils import EngineArgs
 
@@ -18,11 +19,13 @@ API_KEY_ENV = "PAGEDLM_API_KEY"
 def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve MODEL (a local HF model directory) over OpenAI's completions and chat API. "
-                    "Every engine option of LLM(...) is accepted.",
+        description="Serve MODEL (a local HF model directory or a GGUF file; with none, the default model, "
+                    "as `pagedlm generate` does) over OpenAI's completions and chat API. Every engine option "
+                    "of LLM(...) is accepted.",
     )
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="local HF model directory (same as --model)")
+                   help="local HF model directory or .gguf file (same as --model; default: the default model, "
+                        "Gemma 3 270M when pagedlm-models-gemma[default-model] is installed)")
     server = p.add_argument_group("server options")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     server.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000; 0 picks a free one)")
@@ -54,7 +57,13 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"MODEL={args.model_tag!r} and --model={args.model!r} disagree: give one of them")
     args.model = args.model_tag or args.model
     if not args.model:
-        raise ValueError("pagedlm serve needs MODEL: a local HF model directory")
+        from pagedlm.core.default_model import resolve_default_model
+
+        # ValueError (printed by the CLI): how to install the default model or pass MODEL
+        args.model, offer = resolve_default_model()
+        args.served_model_name = args.served_model_name or offer.served_name
+        print(f"no MODEL given: serving the default model, {offer.name}, as "
+              f"{args.served_model_name or args.model!r}", file=sys.stderr)
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port={args.port} is invalid: must be in 0..65535 (0: any free port)")
     from pagedlm.server.launcher import serve

@@ -42,8 +42,8 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
         raise APIError("chat needs a tokenizer, and this server runs without one (skip_tokenizer_init)")
     template = state.chat_template
     if template is None and not getattr(tokenizer, "chat_template", None):
-        raise APIError("this model has no chat template: start the server with --chat-template FILE, "
-                       "or use /v1/completions", param=param)
+        raise APIError("this model has no chat template: start the server with --chat-template FILE "
+                       "(LLM.chat takes chat_template=...), or use /v1/completions", param=param)
     conversation = []
     for i, message in enumerate(messages):
         content = message.content

@@ -92,6 +92,9 @@ class FlashAttentionBackend(AttentionBackend):
     supported_dtypes = (torch.float16, torch.bfloat16)
     supported_head_sizes = (32, 64, 96, 128, 160, 192, 224, 256)
     supported_devices = ("cuda",)
+    block_size_multiple = 256  # flash-attn 2's paged kernels
+    # NOTE: never run on this project's GPUs (no flash-attn there): no graph capture until it is
+    supports_graphs = False
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:

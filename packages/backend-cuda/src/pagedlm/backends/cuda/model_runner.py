@@ -23,7 +23,6 @@ the middle of a run.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 
@@ -76,15 +75,17 @@ class CudaModelRunner(ModelRunner):
         self.max_num_tokens = max(int(sc.max_num_batched_tokens or 8192), self.max_num_reqs)
         self.max_blocks = self.input_batch.max_blocks_per_req
         on_cuda = device.type == "cuda"
+        pin = self.platform.is_pin_memory_available()
         self._allocate_step_buffers()
         self._num_staged = 0
-        self._sampled_host = [torch.zeros(self.max_num_reqs, dtype=torch.int64, pin_memory=on_cuda) for _ in range(2)]
+        self._sampled_host = [torch.zeros(self.max_num_reqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._copy_events = [torch.cuda.Event() for _ in range(2)] if on_cuda else []
         self._num_copies = 0
 
         # NOTE: pipeline stages run every step eagerly (execute_model's pp_forward path)
         single_stage = vllm_config.parallel_config.pipeline_parallel_size == 1
-        self.use_graphs = (on_cuda and not vllm_config.enforce_eager and single_stage) or self.emulate_graphs
+        self.use_graphs = (on_cuda and not vllm_config.enforce_eager and single_stage
+                           and self.attn_backend.supports_graphs) or self.emulate_graphs
         self.capture_sizes = default_capture_sizes(self.max_num_reqs)
         self.max_capture_size = self.capture_sizes[-1] if self.capture_sizes else 0
         #: padded batch size -> (replay, (hidden states, logits) written by the captured forward)
@@ -102,7 +103,7 @@ class CudaModelRunner(ModelRunner):
 
     def _allocate_step_buffers(self) -> None:
         """The persistent device inputs and their pinned staging, for the KV-cache groups."""
-        on_cuda = self.device.type == "cuda"
+        pin = self.platform.is_pin_memory_available()
         num_groups = self.num_kv_cache_groups
         # int64 elements: token data (ids, positions, a slot mapping per group), request data
         # (4 int32 segments: 2 int64 per _req_stride), fed-token indices
@@ -118,8 +119,8 @@ class CudaModelRunner(ModelRunner):
         # step after next may: its inputs are staged after the engine waited for step N's tokens,
         # which the device produced after step N's copies.)
         self._staging = [
-            (torch.zeros(step_len, dtype=torch.int64, pin_memory=on_cuda),
-             [torch.zeros(self.max_num_reqs * self.max_blocks, dtype=torch.int32, pin_memory=on_cuda)
+            (torch.zeros(step_len, dtype=torch.int64, pin_memory=pin),
+             [torch.zeros(self.max_num_reqs * self.max_blocks, dtype=torch.int32, pin_memory=pin)
               for _ in range(num_groups)])
             for _ in range(2)
         ]
@@ -133,8 +134,9 @@ class CudaModelRunner(ModelRunner):
     def load_model(self) -> None:
         super().load_model()
         kv_heads = {layer.num_kv_heads for layer in self.attention_layers.values()}
-        if hasattr(self.metadata_builder, "num_kv_heads") and kv_heads:
-            self.metadata_builder.num_kv_heads = min(kv_heads)
+        if kv_heads:
+            head_size = next(iter(self.attention_layers.values())).head_size
+            self.metadata_builder.bind_model(num_kv_heads=min(kv_heads), head_size=head_size)
         if self.device.type == "cuda":
             self.compile_kernels()
 
@@ -338,7 +340,6 @@ class CudaModelRunner(ModelRunner):
         """
         from pagedlm.backends.cuda.kernels.launch import compile_only
         from pagedlm.backends.cuda.kernels.sampling import gumbel_sample
-        from pagedlm.backends.cuda.triton_attn import TritonAttentionMetadataBuilder
 
         assert self.model is not None
         n = min(16, self.max_num_tokens)
@@ -356,8 +357,7 @@ class CudaModelRunner(ModelRunner):
                     temperature = torch.ones(n, dtype=torch.float32, device=self.device)
                     for dtype in {logits.dtype, torch.float32}:
                         gumbel_sample(logits.to(dtype), temperature, 0, 0)
-                if isinstance(self.metadata_builder, TritonAttentionMetadataBuilder):
-                    self._compile_attention_variants()
+                self._compile_attention_variants()
         finally:
             for name, layer in self.attention_layers.items():
                 layer.kv_cache = caches[name]
@@ -365,23 +365,20 @@ class CudaModelRunner(ModelRunner):
         logger.info("compiled %d Triton kernel variants in %.2fs", stats.num_variants, stats.seconds)
 
     def _compile_attention_variants(self) -> None:
-        """Inside ``compile_only``: a forward per Triton attention variant. Decode variants differ
-        in ``num_splits``, which the builder picks from the batch size and the longest context:
-        the capture sizes get what they will be captured with, and eager decode steps (larger
-        batches, ``enforce_eager``) any smaller power of two, for shorter contexts."""
+        """Inside ``compile_only``: a forward per attention variant the backend declares
+        (``AttentionMetadataBuilder.precompile_metadata``), for the capture sizes and every power
+        of two up to ``max_num_seqs`` (eager decode steps of any batch size)."""
         sizes = set(self.capture_sizes) | {self.max_num_reqs}
         sizes |= {1 << k for k in range(self.max_num_reqs.bit_length()) if 1 << k <= self.max_num_reqs}
-        done: set[int] = set()
-        for size in sorted(sizes):
-            metadata = self.metadata_builder.build(self._stage(None, size, size))
-            for splits in (1 << k for k in range(metadata.num_splits.bit_length())):
-                if splits not in done:
-                    done.add(splits)
-                    self._padding_forward(size, dataclasses.replace(metadata, num_splits=splits))
-            # NOTE: the next _stage reuses a staging buffer whose copy must have happened
+
+        def stage(num_tokens: int, num_reqs: int) -> CommonAttentionMetadata:
+            # NOTE: _stage reuses a staging buffer whose last copy must have happened
             torch.cuda.synchronize(self.device)
-        num_tokens = min(16, self.max_num_tokens)  # one request of several new tokens
-        self._padding_forward(num_tokens, self.metadata_builder.build(self._stage(None, num_tokens, 1)))
+            return self._stage(None, num_tokens, num_reqs)
+
+        for num_tokens, metadata in self.metadata_builder.precompile_metadata(
+                sorted(sizes), min(16, self.max_num_tokens), stage):
+            self._padding_forward(num_tokens, metadata)
 
     def _padding_forward(self, num_tokens: int, metadata) -> None:
         with set_forward_context(metadata):

@@ -1,8 +1,9 @@
 """The CUDA platform: NVIDIA GPUs through torch.cuda, Triton kernels, CUDA graphs.
 
 - dtype: bfloat16 unless the model or the user asks otherwise.
-- attention: ``triton`` (pagedlm.backends.cuda.triton_attn); ``flash_attn`` instead when the
-  ``flash_attn`` package imports and the block size suits its paged kernels (a multiple of 256).
+- attention: ``triton`` (pagedlm.backends.cuda.triton_attn). ``flash_attn`` only when asked for
+  by name (``attention_backend="flash_attn"``, block size a multiple of 256): it has never run on
+  this project's GPUs (no flash-attn there), so it is not picked automatically.
 - model runner: :class:`pagedlm.backends.cuda.model_runner.CudaModelRunner` (persistent input
   buffers, CUDA-graph decode unless ``enforce_eager``, a profiling run before KV sizing).
 - KV cache: ``gpu_memory_utilization`` of the device's memory minus everything else in use
@@ -25,8 +26,6 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 GiB = 1 << 30
-#: flash-attn 2's paged kernels need the page (block) size to be a multiple of this
-FLASH_ATTN_BLOCK_MULTIPLE = 256
 
 
 def flash_attn_importable() -> bool:
@@ -43,12 +42,11 @@ class CudaPlatform(Platform):
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     supports_graphs = True
     supports_async_scheduling = True
+    ray_device_key = "GPU"
+    visible_devices_env_var = "CUDA_VISIBLE_DEVICES"
+    profiler_activity = "CUDA"
 
     def get_attn_backend_name(self, vllm_config: VllmConfig) -> str:
-        block_size = vllm_config.cache_config.block_size
-        half = vllm_config.model_config.dtype in (torch.float16, torch.bfloat16)
-        if half and block_size % FLASH_ATTN_BLOCK_MULTIPLE == 0 and flash_attn_importable():
-            return "flash_attn"
         return "triton"
 
     def get_model_runner_cls(self, vllm_config: VllmConfig) -> str:
@@ -66,16 +64,35 @@ class CudaPlatform(Platform):
         return None
 
     def check_and_update_config(self, vllm_config: VllmConfig) -> None:
-        if flash_attn_importable() and vllm_config.cache_config.block_size % FLASH_ATTN_BLOCK_MULTIPLE:
-            logger.info(
-                "flash_attn is installed but block_size=%d is not a multiple of %d (its paged kernels need "
-                "that); using the Triton attention backend. Pass block_size=256 to use flash_attn.",
-                vllm_config.cache_config.block_size, FLASH_ATTN_BLOCK_MULTIPLE,
-            )
+        if vllm_config.attention_backend != "flash_attn":
+            return
+        # (its block-size rule is the backend's own declaration, checked when the runner starts)
+        if not flash_attn_importable():
+            raise ValueError("attention_backend='flash_attn' needs the flash_attn package (pip install flash-attn)")
 
     def set_device(self, local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
+
+    def is_pin_memory_available(self) -> bool:
+        return True
+
+    def record_event(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def get_device_capability(self, device: torch.device) -> tuple[int, int]:
+        return torch.cuda.get_device_capability(device)
+
+    def get_device_description(self) -> dict[str, object]:
+        if not torch.cuda.is_available():
+            return {}
+        return {"gpu": torch.cuda.get_device_name(0), "gpu_count": torch.cuda.device_count()}
+
+    def allocated_memory_bytes(self, device: torch.device) -> int:
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()

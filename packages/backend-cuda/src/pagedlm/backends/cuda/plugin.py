@@ -12,15 +12,17 @@ from pagedlm.core.plugins import hookimpl
 
 
 def cuda_is_available() -> bool:
-    """Cheap probe: ``torch.cuda.is_available()``, never raising.
+    """Cheap probe: ``torch.cuda.is_available()`` on a CUDA build of torch, never raising.
 
     It neither imports triton nor creates a CUDA context, so calling it before forking worker
-    processes is safe. A broken driver or a CPU-only torch build reads as "not available".
+    processes is safe. A broken driver or a CPU-only torch build reads as "not available", and
+    so does a ROCm build: it answers ``torch.cuda`` calls too, but AMD GPUs are another platform's
+    (``torch.version.hip`` is set there).
     """
     try:
         import torch
 
-        return bool(torch.cuda.is_available())
+        return torch.version.hip is None and bool(torch.cuda.is_available())
     except Exception:  # noqa: BLE001 - any probe failure means "not available"
         return False
 

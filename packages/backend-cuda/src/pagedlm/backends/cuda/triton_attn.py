@@ -12,6 +12,7 @@ kernels are tested without a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -70,8 +71,24 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
         else:
             # interpreter runs: a small "GPU" so the split-KV path is exercised too
             self.num_sms = 4
-        #: number of kv heads of the model, set by the runner (splits depend on it); 8 if unknown
+        #: number of kv heads of the model (splits depend on it); 8 until bind_model
         self.num_kv_heads = 8
+
+    def bind_model(self, *, num_kv_heads: int, head_size: int) -> None:
+        self.num_kv_heads = num_kv_heads
+
+    def precompile_metadata(self, batch_sizes, prefill_tokens, stage):
+        """Decode variants differ in ``num_splits``, which :meth:`build` picks from the batch size
+        and the longest context: every batch size gets the split counts it can be built with
+        (each power of two up to its own, for shorter contexts), each count once; then one prefill."""
+        done: set[int] = set()
+        for size in sorted(set(batch_sizes)):
+            metadata = self.build(stage(size, size))
+            for splits in (1 << k for k in range(metadata.num_splits.bit_length())):
+                if splits not in done:
+                    done.add(splits)
+                    yield size, dataclasses.replace(metadata, num_splits=splits)
+        yield prefill_tokens, self.build(stage(prefill_tokens, 1))
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         num_splits = 1
@@ -164,6 +181,7 @@ class TritonAttentionBackend(AttentionBackend):
     supported_head_sizes = tuple(range(8, 257, 8))
     #: the CPU too under Triton's interpreter (kernel tests without a GPU)
     supported_devices = ("cuda", "cpu") if INTERPRET else ("cuda",)
+    supports_graphs = True
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:

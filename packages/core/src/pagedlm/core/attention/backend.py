@@ -17,6 +17,7 @@ tokens plus the new ones) has length ``seq_lens[i]``; the new tokens are the las
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -58,6 +59,20 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
 
     @abstractmethod
     def build(self, common: CommonAttentionMetadata) -> M: ...
+
+    def bind_model(self, *, num_kv_heads: int, head_size: int) -> None:
+        """Called once the model is built, with its smallest per-rank kv head count and its head
+        size (a builder that sizes work by them, as split-KV does, keeps them)."""
+
+    def precompile_metadata(
+        self, batch_sizes: list[int], prefill_tokens: int, stage: Callable[[int, int], CommonAttentionMetadata]
+    ) -> Iterator[tuple[int, M]]:
+        """The metadata of every kernel variant this backend can launch, for a runner that
+        compiles kernels before it serves: ``(num_tokens, metadata)`` pairs, each to be run
+        through one forward. ``stage(num_tokens, num_reqs)`` stages an all-padding batch (decode
+        when the two are equal) and returns its common metadata; ``batch_sizes`` are the decode
+        batch sizes the runner will see. None by default (nothing to compile ahead)."""
+        return iter(())
 
 
 class AttentionImpl(ABC, Generic[M]):
@@ -110,6 +125,11 @@ class AttentionBackend(ABC):
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any
     #: platform names (``device=``) whose runner can drive this backend; None: any
     supported_devices: ClassVar[tuple[str, ...] | None] = None
+    #: KV-cache block sizes must be a multiple of this (a kernel's page size)
+    block_size_multiple: ClassVar[int] = 1
+    #: whether a step's launches may be captured in a device graph and replayed (no host syncs,
+    #: fixed buffers)
+    supports_graphs: ClassVar[bool] = False
 
     @staticmethod
     @abstractmethod
@@ -125,7 +145,7 @@ class AttentionBackend(ABC):
     def get_impl_cls() -> type[AttentionImpl[Any]]: ...
 
     @classmethod
-    def validate(cls, *, head_size: int, dtype: torch.dtype) -> None:
+    def validate(cls, *, head_size: int, dtype: torch.dtype, block_size: int | None = None) -> None:
         if cls.supported_head_sizes is not None and head_size not in cls.supported_head_sizes:
             raise ValueError(
                 f"attention backend {cls.name!r} does not support head_size={head_size}; "
@@ -133,3 +153,8 @@ class AttentionBackend(ABC):
             )
         if dtype not in cls.supported_dtypes:
             raise ValueError(f"attention backend {cls.name!r} does not support dtype={dtype}")
+        if block_size is not None and block_size % cls.block_size_multiple:
+            raise ValueError(
+                f"attention backend {cls.name!r} needs block_size to be a multiple of {cls.block_size_multiple}; "
+                f"got block_size={block_size}"
+            )

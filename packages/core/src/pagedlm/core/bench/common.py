@@ -197,9 +197,9 @@ def environment() -> dict[str, Any]:
         import torch
 
         info["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            info["gpu"] = torch.cuda.get_device_name(0)
-            info["gpu_count"] = torch.cuda.device_count()
+        from pagedlm.core.platforms import resolve_platform
+
+        info.update(resolve_platform("auto").get_device_description())
     except ImportError:  # the serve load generator needs no torch
         pass
     try:

@@ -21,6 +21,7 @@ from typing import Any
 
 from pagedlm.core import envs
 from pagedlm.core.bench.workloads import Workload
+from pagedlm.core.platforms.interface import HOST
 
 #: bytes HF continuous batching may spend on attention masks on the CPU (see run_hf)
 _MASK_BUDGET = 2 * 2**30
@@ -83,7 +84,7 @@ def run_hf(workload: Workload, *, model_dir: str, dummy: bool, dtype: Any, devic
                            attn_implementation=attn_implementation, seed=seed)
     load_s = time.perf_counter() - t_load
     cb_kwargs: dict[str, Any] = {}
-    if device == "cpu":
+    if torch.device(device).type == HOST.type:  # HF on the host
         page = 256
         # HF's CPU path (sdpa) builds dense float masks of [max_batch_tokens, cache + batch tokens]:
         # a cache as large as ours (sized for max_num_seqs full-length requests) would need tens of

@@ -26,28 +26,29 @@ def profiled(directory: str | None, device: str) -> Iterator[dict[str, Any]]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU]
-    if device == "cuda":
-        activities.append(ProfilerActivity.CUDA)
+    from pagedlm.core.platforms import resolve_platform
+
+    on_device = resolve_platform(device).profiler_activity
+    activities = [ProfilerActivity.CPU] + ([getattr(ProfilerActivity, on_device)] if on_device else [])
     with profile(activities=activities) as prof:
         yield summary
     os.makedirs(directory, exist_ok=True)
     events = prof.key_averages()
-    sort_key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    sort_key = "self_device_time_total" if on_device else "self_cpu_time_total"
     table = events.table(sort_by=sort_key, row_limit=40)
     with open(os.path.join(directory, "profile-top.txt"), "w", encoding="utf-8") as f:
         f.write(table + "\n")
     # NOTE: only device-side events (kernels, copies): an aten op's row repeats its kernels' time.
     kernels = sorted(
         ((e.key, e.self_device_time_total / 1e6, e.count) for e in events
-         if e.self_device_time_total > 0 and e.device_type == DeviceType.CUDA),
+         if e.self_device_time_total > 0 and e.device_type != DeviceType.CPU),
         key=lambda k: -k[1],
     )
     summary.update({
         "directory": directory,
         "device": device,
         # None on the CPU: there the ops run on the host, in the table's CPU columns
-        "device_time_s": sum(t for _, t, _ in kernels) if device == "cuda" else None,
+        "device_time_s": sum(t for _, t, _ in kernels) if on_device else None,
         "top_device_ops": [{"name": n, "device_time_s": t, "calls": c} for n, t, c in kernels[:15]],
         "torch_version": torch.__version__,
     })

@@ -15,6 +15,7 @@ from pagedlm.core.bench import common
 from pagedlm.core.bench.profile import profiled
 from pagedlm.core.bench.timeline import StepRecorder, write_timelines
 from pagedlm.core.bench.workloads import add_workload_options, workload_from_args
+from pagedlm.core.platforms import resolve_platform
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -124,7 +125,7 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
         dummy = setup.kwargs.get("load_format") == "dummy"
         llm.shutdown()
         del llm, outputs
-        left = _release_device_memory()
+        left = _release_device_memory(device)
         result["hf"] = _compare(args, workload, model_dir=model_dir, dummy=dummy, dtype=dtype, device=device,
                                 kv_tokens=kv_tokens, engine=engine)
         if left is not None:
@@ -134,19 +135,19 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
     return result
 
 
-def _release_device_memory() -> float | None:
-    """Free pagedlm's weights and KV cache before HF loads; returns GiB still allocated (CUDA only).
+def _release_device_memory(device: str) -> float | None:
+    """Free pagedlm's weights and KV cache before HF loads; returns GiB still allocated (None where
+    the platform cannot tell, as on the CPU).
 
     HF sizes its cache from the free device memory, so memory pagedlm still held would shrink it.
     """
     gc.collect()
     import torch
 
-    if not torch.cuda.is_available():
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return torch.cuda.memory_allocated() / 2**30
+    platform = resolve_platform(device)
+    platform.empty_cache()
+    allocated = platform.allocated_memory_bytes(torch.device(device))
+    return None if allocated is None else allocated / 2**30
 
 
 def _compare(args: argparse.Namespace, workload: Any, *, model_dir: str, dummy: bool, dtype: Any, device: str,

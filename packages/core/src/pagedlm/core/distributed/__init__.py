@@ -198,6 +198,25 @@ def destroy_distributed_environment() -> None:
         dist.destroy_process_group()
 
 
+def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
+    """vLLM's clean-up between engines in one process: the process groups destroyed, garbage
+    collected, the device's cached memory returned (and Ray shut down with ``shutdown_ray``)."""
+    import gc
+
+    from pagedlm.core.platforms import resolve_platform
+
+    destroy_distributed_environment()
+    if shutdown_ray:
+        try:
+            import ray
+        except ImportError:
+            pass
+        else:
+            ray.shutdown()
+    gc.collect()
+    resolve_platform("auto").empty_cache()
+
+
 # -- pipeline forward -------------------------------------------------------------------------
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedlm.core import envs
 from pagedlm.core.config import (
     CacheConfig,
     DeviceConfig,
@@ -46,7 +48,14 @@ _HELP = {
     "served_model_name": "model name reported in outputs and by the server",
     "attention_backend": "force an attention backend by its registered name",
     "enforce_eager": "never capture device graphs",
+    "hf_overrides": "JSON object of HF config fields to override (nested objects update sub-configs)",
+    "disable_log_stats": "collect no request statistics (LLM.get_metrics needs them; LLM() defaults to off)",
+    "tokenizer_mode": "vLLM's option: 'auto' or 'hf' (both the fast HF tokenizer; other modes are refused)",
+    "config_format": "vLLM's option: 'auto' or 'hf' (config.json, or a GGUF file's metadata)",
 }
+
+#: the values of vLLM's options that mean what pagedlm does anyway
+_ACCEPTED = {"tokenizer_mode": ("auto", "hf"), "config_format": ("auto", "hf")}
 
 
 @dataclass
@@ -76,6 +85,10 @@ class EngineArgs:
     served_model_name: str | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
+    disable_log_stats: bool = False
+    hf_overrides: dict[str, Any] | None = None
+    tokenizer_mode: str = "auto"
+    config_format: str = "auto"
     additional_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -83,6 +96,10 @@ class EngineArgs:
         return [f.name for f in dataclasses.fields(cls)]
 
     def create_vllm_config(self) -> VllmConfig:
+        for name, allowed in _ACCEPTED.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported; allowed: {', '.join(allowed)}")
+        envs.check_vllm_environment()
         return VllmConfig(
             model_config=ModelConfig(
                 model=self.model,
@@ -93,6 +110,7 @@ class EngineArgs:
                 skip_tokenizer_init=self.skip_tokenizer_init,
                 trust_remote_code=self.trust_remote_code,
                 served_model_name=self.served_model_name,
+                hf_overrides=self.hf_overrides,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -122,8 +140,10 @@ class EngineArgs:
 
     # -- command line -------------------------------------------------------------------------
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ("additional_config",)) -> None:
-        """Add ``--model``, ``--max-model-len``, ... (one option per field) to ``parser``."""
+    def add_cli_args(cls, parser: argparse.ArgumentParser, *,
+                     skip: tuple[str, ...] = ("additional_config",)) -> argparse.ArgumentParser:
+        """Add ``--model``, ``--max-model-len``, ... (one option per field) to ``parser``; returns
+        ``parser`` (as vLLM's does, so ``parser = EngineArgs.add_cli_args(parser)`` works)."""
         group = parser.add_argument_group("engine options")
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
@@ -136,9 +156,17 @@ class EngineArgs:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                    help=_HELP.get(f.name))
             else:
-                group.add_argument(flag, type=base, default=f.default, help=_HELP.get(f.name),
+                parse = json.loads if typing.get_origin(base) is dict else base  # JSON objects on the CLI
+                group.add_argument(flag, type=parse, default=f.default, help=_HELP.get(f.name),
                                    dest=f.name)
+        return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**{name: getattr(args, name) for name in cls.names() if hasattr(args, name)})
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's name for the engine options of ``AsyncLLM`` (``AsyncLLM.from_engine_args``): the same
+    options as :class:`EngineArgs`."""

@@ -77,7 +77,7 @@ class AsyncLLM:
         if not mc.skip_tokenizer_init:
             assert mc.tokenizer is not None
             self.tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code,
-                                           revision=mc.revision)
+                                           revision=mc.revision, architectures=mc.architectures)
         self.processor = Processor(vllm_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[StatLoggerBase] = list(stat_loggers)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from pagedlm.core.config import VllmConfig
@@ -10,6 +11,8 @@ from pagedlm.core.engine.core_client import InprocClient
 from pagedlm.core.engine.output_processor import OutputProcessor
 from pagedlm.core.engine.processor import Processor, PromptType
 from pagedlm.core.engine.tokenizer import get_tokenizer
+from pagedlm.core.metrics.reader import Metric, MetricsCollector
+from pagedlm.core.metrics.stats import EngineStatsSnapshot, IterationStats, RequestStatsTracker
 from pagedlm.core.outputs import RequestOutput
 from pagedlm.core.request import EngineCoreRequest
 from pagedlm.core.sampling_params import SamplingParams
@@ -38,7 +41,7 @@ def fan_out(core_request: EngineCoreRequest) -> list[EngineCoreRequest]:
 
 
 class LLMEngine:
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, *, log_stats: bool = False) -> None:
         self.vllm_config = vllm_config
         mc = vllm_config.model_config
         if mc.hf_config is None:
@@ -47,7 +50,7 @@ class LLMEngine:
         if not mc.skip_tokenizer_init:
             assert mc.tokenizer is not None
             self.tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code,
-                                           revision=mc.revision)
+                                           revision=mc.revision, architectures=mc.architectures)
         if vllm_config.parallel_config.data_parallel_size > 1:
             from pagedlm.core.engine.dp_client import DPClient
 
@@ -56,10 +59,21 @@ class LLMEngine:
             self.engine_core = InprocClient(vllm_config)
         self.processor = Processor(vllm_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
+        #: request statistics for get_metrics (per output of every step: off unless asked for)
+        self._tracker = RequestStatsTracker() if log_stats else None
+        self._collector = MetricsCollector(vllm_config.model_config.name)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
-        return cls(engine_args.create_vllm_config())
+        return cls(engine_args.create_vllm_config(), log_stats=not engine_args.disable_log_stats)
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics (vLLM's ``LLM.get_metrics``); needs ``disable_log_stats=False``."""
+        if self._tracker is None:
+            raise ValueError("metrics are not collected: pass disable_log_stats=False (LLM() defaults to True)")
+        if isinstance(self.engine_core, InprocClient):  # replicas of data parallelism run elsewhere
+            self._collector.record(EngineStatsSnapshot.from_engine_core(self.core), None)
+        return self._collector.metrics()
 
     def get_tokenizer(self) -> Any:
         if self.tokenizer is None:
@@ -84,17 +98,36 @@ class LLMEngine:
             request_id, text, core_request.prompt_token_ids, params,
             [c.request_id for c in children], [c.sampling_params for c in children],
         )
+        if self._tracker is not None:
+            self._tracker.add(request_id, [c.request_id for c in children], len(core_request.prompt_token_ids))
         for child in children:
             self.engine_core.add_request(child)
 
     def abort_request(self, request_ids: list[str]) -> None:
         self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))
+        if self._tracker is not None:
+            stats = IterationStats()
+            for request_id in request_ids:
+                self._tracker.finish(request_id, "abort", time.monotonic(), stats)
+            self._collector.record(None, stats)
 
     def step(self) -> list[RequestOutput]:
         outputs = self.engine_core.get_output()
         request_outputs, to_abort = self.output_processor.process_outputs(outputs)
         self.engine_core.abort_requests(to_abort)
+        if self._tracker is not None:
+            now, stats = time.monotonic(), IterationStats()
+            self._tracker.on_outputs(outputs, now, stats)
+            for out in request_outputs:
+                if out.finished:
+                    reason = "error" if out.error else (out.outputs[0].finish_reason or "stop")
+                    self._tracker.finish(out.request_id, reason, now, stats)
+            self._collector.record(None, stats)
         return request_outputs
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing reset) while requests hold blocks."""
+        return self.core.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()

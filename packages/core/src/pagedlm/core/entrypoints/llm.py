@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pagedlm.core.engine.arg_utils import EngineArgs
 from pagedlm.core.engine.llm_engine import LLMEngine
 from pagedlm.core.engine.processor import PromptType
+from pagedlm.core.metrics.reader import Metric
 from pagedlm.core.outputs import RequestOutput
 from pagedlm.core.sampling_params import RequestOutputKind, SamplingParams
 
@@ -43,12 +44,16 @@ class LLM:
         unknown = sorted(set(kwargs) - set(EngineArgs.names()))
         if unknown:
             raise TypeError(f"LLM() got unknown options {unknown}; allowed: {sorted(EngineArgs.names())}")
+        # NOTE: vLLM's LLM collects no request statistics unless asked (get_metrics needs them)
+        kwargs.setdefault("disable_log_stats", True)
         if model is None:
             # The default model (a plugin's offer, e.g. Gemma 3 270M); logs which one, or raises
             # ValueError saying how to install it or pass model=.
             from pagedlm.core.default_model import resolve_default_model
 
-            model, _ = resolve_default_model()
+            model, offer = resolve_default_model()
+            if offer.served_name and "served_model_name" not in kwargs:
+                kwargs["served_model_name"] = offer.served_name
         engine_args = EngineArgs(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
             block_size=block_size, enable_prefix_caching=enable_prefix_caching,
@@ -105,6 +110,8 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations (OpenAI-style messages)."""
+        from jinja2 import TemplateError
+
         tokenizer = self.get_tokenizer()
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts: list[PromptType] = []
@@ -114,8 +121,12 @@ class LLM:
                     conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                     tokenize=True, return_dict=False,
                 )
-            except ValueError as e:
-                raise ValueError(f"cannot apply the chat template: {e}") from e
+            except (ValueError, TemplateError) as e:  # a template's raise_exception is a TemplateError
+                hint = ""
+                if chat_template is None and not getattr(tokenizer, "chat_template", None):
+                    hint = ("; this model's tokenizer has none: pass LLM.chat(..., chat_template=JINJA) "
+                            "(pagedlm serve: --chat-template FILE)")
+                raise ValueError(f"cannot apply the chat template: {e}{hint}") from e
             if isinstance(token_ids, dict) or hasattr(token_ids, "input_ids"):
                 token_ids = token_ids["input_ids"]
             text = tokenizer.decode(token_ids)
@@ -123,6 +134,48 @@ class LLM:
         if sampling_params is None:
             sampling_params = SamplingParams()
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def generate_streamed(
+        self, prompts: Sequence[str], sampling_params: SamplingParams, *, stream: bool = True
+    ) -> Iterator[tuple[str, Iterator[str]]]:
+        """``(prompt, its text pieces)`` per prompt, in order, all prompts running as one batch.
+
+        With ``stream`` the first unfinished prompt's pieces come as its tokens are detokenized
+        (what ``pagedlm generate`` prints); later prompts' text collects meanwhile and comes when
+        their turn does. Without it each prompt's text is one piece once it is done. Every
+        request is aborted if the caller stops early.
+        """
+        engine = self.llm_engine
+        processed = [engine.processor.process(str(next(self._request_counter)), p, sampling_params)
+                     for p in prompts]
+        for core_request, _ in processed:
+            core_request.sampling_params.output_kind = (RequestOutputKind.DELTA if stream
+                                                        else RequestOutputKind.FINAL_ONLY)
+        ids = [core_request.request_id for core_request, _ in processed]
+        pending: dict[str, list[str]] = {r: [] for r in ids}
+        done: set[str] = set()
+        for core_request, text in processed:
+            engine.add_processed_request(core_request, text)
+
+        def step() -> None:
+            for output in engine.step():
+                pending[output.request_id].append(output.outputs[0].text)
+                if output.finished:
+                    done.add(output.request_id)
+
+        def pieces(request_id: str) -> Iterator[str]:
+            while True:
+                while pending[request_id]:
+                    yield pending[request_id].pop(0)
+                if request_id in done:
+                    return
+                step()
+
+        try:
+            for prompt, request_id in zip(prompts, ids):
+                yield prompt, pieces(request_id)
+        finally:
+            engine.abort_request([r for r in ids if r not in done])
 
     def _run(
         self, prompts: list[PromptType], params_list: list[SamplingParams], *, use_tqdm: bool
@@ -176,7 +229,26 @@ class LLM:
         return [finished[r] for r in request_ids]
 
     def reset_prefix_cache(self) -> bool:
-        return self.llm_engine.core.reset_prefix_cache()
+        """Forget every cached prefix block (vLLM's name); False while requests hold blocks."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics as ``pagedlm.core.v1.metrics.reader`` objects (vLLM's reader
+        types: Counter, Gauge, Histogram, Vector); needs ``LLM(..., disable_log_stats=False)``."""
+        return self.llm_engine.get_metrics()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the sampling fields the model's generation_config.json sets
+        (temperature, top_p, top_k, min_p, repetition_penalty; ``max_new_tokens`` as ``max_tokens``),
+        as vLLM's ``LLM.get_default_sampling_params`` does."""
+        generation = self.llm_engine.vllm_config.model_config.generation_config
+        fields = {k: generation[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                  if generation.get(k) is not None}
+        if fields.get("top_k") == 0:
+            fields["top_k"] = -1  # HF's "no top-k"
+        if generation.get("max_new_tokens") is not None:
+            fields["max_tokens"] = generation["max_new_tokens"]
+        return SamplingParams(**fields)
 
     def shutdown(self) -> None:
         """Stop the engine's workers now (also happens when the object is collected)."""

@@ -118,8 +118,7 @@ class RayExecutor(Executor):
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(include_dashboard=False, log_to_driver=True)
-        device_type = resolve_platform(self.vllm_config.device_config.device).device_type
-        resource = "GPU" if device_type == "cuda" else "CPU"
+        resource = resolve_platform(self.vllm_config.device_config.device).ray_device_key
         self._pg = ray.util.placement_group([{resource: 1}] * self.world_size, strategy="PACK")
         self.actors: list[Any] = []
         self._finalizer = weakref.finalize(self, _stop, self.actors, self._pg, self._owns_ray)

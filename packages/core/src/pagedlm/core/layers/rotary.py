@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from pagedlm.core.layers.custom_ops import _IMPLS, get_op_impl
+from pagedlm.core.platforms.interface import HOST
 
 __all__ = ["RotaryEmbedding", "get_rope", "rope_parameters"]
 
@@ -54,8 +55,8 @@ class RotaryEmbedding(nn.Module):
         self.attention_scaling = attention_scaling
         # NOTE: float32 regardless of the model dtype; forward casts the gathered rows to the
         # activation dtype, exactly where HF casts its cos/sin.
-        positions = torch.arange(max_position, dtype=torch.float32, device="cpu")
-        freqs = positions[:, None] * inv_freq.to(device="cpu", dtype=torch.float32)[None, :]
+        positions = torch.arange(max_position, dtype=torch.float32, device=HOST)
+        freqs = positions[:, None] * inv_freq.to(device=HOST, dtype=torch.float32)[None, :]
         cos = freqs.cos() * attention_scaling
         sin = freqs.sin() * attention_scaling
         #: ``[max_position, rotary_dim]``: cos in the first half of the columns, sin in the second
@@ -164,7 +165,7 @@ def rope_parameters(hf_text_config: Any, layer_type: str | None = None) -> dict[
 
 def _default_inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
     """``[rotary_dim / 2]`` float32: ``base ** (-2i / rotary_dim)``."""
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / rotary_dim
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=HOST).to(torch.float32) / rotary_dim
     return 1.0 / (base**exponents)
 
 

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedlm.core.platforms.interface import HOST
+
 __all__ = [
     "LazyWeight",
     "default_weight_loader",
@@ -204,7 +206,7 @@ def safetensors_weights_iterator(files: Iterable[str], lazy: bool = False) -> It
     from safetensors import safe_open
 
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with safe_open(path, framework="pt", device=str(HOST)) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 yield name, (LazyWeight(f, name) if lazy else f.get_tensor(name))
 
@@ -213,10 +215,10 @@ def pt_weights_iterator(files: Iterable[str]) -> Iterator[tuple[str, torch.Tenso
     """Yield ``(name, cpu_tensor)`` from pickle checkpoints, loaded with ``weights_only=True``."""
     for path in files:
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            state = torch.load(path, map_location=HOST, weights_only=True, mmap=True)
         except RuntimeError:
             # Legacy (pre-zipfile) checkpoints cannot be memory-mapped.
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(path, map_location=HOST, weights_only=True)
         if not isinstance(state, dict):
             raise TypeError(f"{path} does not hold a state dict (got {type(state).__name__})")
         for name, tensor in state.items():

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import functools
 
-from pagedlm.core.platforms.interface import Platform
+from pagedlm.core.platforms.interface import HOST, Platform
 from pagedlm.core.plugins import get_plugins, resolve_class_path
 
-__all__ = ["Platform", "resolve_platform", "available_platforms"]
+__all__ = ["HOST", "Platform", "available_platforms", "current_platform", "resolve_platform"]
+
+
+def __getattr__(name: str) -> Platform:
+    # ``current_platform`` (vLLM's name): the platform ``device="auto"`` picks, resolved on first use
+    # so that importing this module loads no plugin
+    if name == "current_platform":
+        return resolve_platform("auto")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def available_platforms() -> list[str]:

@@ -1,13 +1,22 @@
-"""The ``Platform`` interface that hardware backends implement."""
+"""The ``Platform`` interface that hardware backends implement.
+
+NOTE: every device-specific service core needs goes through the selected platform: events,
+pinned memory, capability, the visible-devices variable, the Ray resource key, thread settings,
+memory probing and the KV-cache budget. Core never tests a device-type string; a new kind of
+hardware is a new ``Platform`` subclass in its own package.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from pagedlm.core.config import VllmConfig
+
+#: host memory: where results come back to from every platform (not a platform itself)
+HOST = torch.device("cpu")
 
 
 class Platform:
@@ -27,6 +36,17 @@ class Platform:
     #: whether the engine schedules step N+1 while step N runs by default (``async_scheduling``):
     #: a gain only where the model runs asynchronously to the host, as on GPUs
     supports_async_scheduling: bool = False
+    #: the Ray resource one worker of this platform reserves (``"GPU"``, ``"CPU"``, a custom one)
+    ray_device_key: str = "CPU"
+    #: the environment variable that restricts which devices a process sees; None: no such thing
+    visible_devices_env_var: str | None = None
+    #: the ``torch.profiler.ProfilerActivity`` member of this device's kernels; None: host only
+    profiler_activity: str | None = None
+
+    def auto_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        """The model dtype for ``dtype="auto"``: the checkpoint's, or the platform default for
+        float32 checkpoints."""
+        return checkpoint_dtype if checkpoint_dtype != torch.float32 else self.default_dtype
 
     def get_attn_backend_name(self, vllm_config: VllmConfig) -> str:
         """Name of the attention backend to use (a key of the attention-backend registry)."""
@@ -48,6 +68,31 @@ class Platform:
     def kv_cache_memory_bytes(self, vllm_config: VllmConfig, device: torch.device) -> int:
         """Bytes available for the KV cache on ``device`` after the model is loaded and profiled."""
         raise NotImplementedError
+
+    def configure_threads(self, ranks_on_host: int) -> None:
+        """Set the host threads of one of ``ranks_on_host`` worker processes sharing a machine
+        (no-op by default: device platforms leave torch's host threads alone)."""
+
+    def is_pin_memory_available(self) -> bool:
+        """Whether host buffers for asynchronous copies to this device should be page-locked."""
+        return False
+
+    def record_event(self) -> Any | None:
+        """An event recorded now on the current stream (it has ``synchronize()``), or None when
+        work on this device completes before the call returns (the CPU)."""
+        return None
+
+    def get_device_capability(self, device: torch.device) -> tuple[int, int] | None:
+        """``(major, minor)`` of the device's compute capability, or None where there is none."""
+        return None
+
+    def get_device_description(self) -> dict[str, Any]:
+        """What benchmark results record about this platform's devices (name, count)."""
+        return {}
+
+    def allocated_memory_bytes(self, device: torch.device) -> int | None:
+        """Bytes the framework's allocator holds for tensors on ``device`` now; None if unknown."""
+        return None
 
     def set_device(self, local_rank: int) -> torch.device:
         """Select the device of a local rank and return it."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedlm.core.platforms.interface import HOST
 from pagedlm.core.sampling_params import SamplingParams
 
 _SAMPLING_EPS = 1e-5
@@ -89,7 +90,7 @@ def build_sampling_metadata(
     prompt_token_ids: Sequence[Sequence[int]],
     output_token_ids: Sequence[list[int]],
     vocab_size: int,
-    device: torch.device | str = "cpu",
+    device: torch.device | str = HOST,
     generators: dict[int, torch.Generator] | None = None,
 ) -> SamplingMetadata:
     """Builds the metadata of one step from each row's ``SamplingParams`` (a convenience for the
@@ -176,7 +177,4 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
     with it. A non-blocking copy from pageable memory is staged by the driver at once and queued
     in stream order, so the metadata is built while the forward runs.
     """
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cpu":
-        return host
-    return host.to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)  # no copy for a host device

@@ -256,10 +256,7 @@ def _random_generators(md: SamplingMetadata) -> dict[int, torch.Generator]:
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
-    # "cuda" and "cuda:0" name the same device (index None means the current one).
+    # "cuda" and "cuda:0" name the same device: an empty tensor's device has the index filled in.
     if a.type != b.type:
         return False
-    if a.type != "cuda" or a.index == b.index:
-        return True
-    current = torch.cuda.current_device()
-    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+    return torch.empty(0, device=a).device == torch.empty(0, device=b).device

