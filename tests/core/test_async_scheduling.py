@@ -190,6 +190,12 @@ def _fake_core(async_scheduling: bool, num_blocks: int, device: _FakeDevice):
         def _init_executor(self):
             pass
 
+        def get_kv_cache_specs(self):
+            return {}
+
+        def set_kv_cache_groups(self, groups):
+            pass
+
         def determine_num_available_blocks(self):
             return num_blocks
 

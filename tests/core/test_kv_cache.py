@@ -36,18 +36,20 @@ def start(manager: KVCacheManager, request: Request, num_new_tokens: int | None 
     if num_new_tokens is None:
         num_new_tokens = request.num_tokens - num_computed_tokens
     new_blocks = manager.allocate_slots(request, num_new_tokens, computed_blocks, num_computed_tokens)
-    if new_blocks is not None:
-        request.num_computed_tokens = num_computed_tokens + num_new_tokens
-    return new_blocks
+    if new_blocks is None:
+        return None
+    request.num_computed_tokens = num_computed_tokens + num_new_tokens
+    return list(new_blocks[0])
 
 
 def decode(manager: KVCacheManager, request: Request, token_id: int) -> list[KVCacheBlock] | None:
     """Append one sampled token and schedule it (the token the model must now process)."""
     request.append_output_token_ids([token_id])
     new_blocks = manager.allocate_slots(request, 1)
-    if new_blocks is not None:
-        request.num_computed_tokens += 1
-    return new_blocks
+    if new_blocks is None:
+        return None
+    request.num_computed_tokens += 1
+    return list(new_blocks[0])
 
 
 def free_queue_ids(manager: KVCacheManager) -> list[int]:
@@ -97,16 +99,16 @@ def test_allocation_grows_by_blocks() -> None:
     request = make_request("r", list(range(5)))
     new_blocks = start(manager, request)
     assert new_blocks is not None and len(new_blocks) == 2
-    assert manager.get_block_ids("r") == [b.block_id for b in new_blocks]
+    assert manager.get_block_ids("r")[0] == [b.block_id for b in new_blocks]
     assert manager.num_free_blocks == 6
     assert manager.usage == pytest.approx(2 / 8)
     # Tokens 6..8 fit in the second block; token 9 needs a third.
     for token_id in (100, 101, 102):
         assert decode(manager, request, token_id) == []
-    assert len(manager.get_blocks("r")) == 2
+    assert len(manager.get_blocks("r")[0]) == 2
     third = decode(manager, request, 103)
     assert third is not None and len(third) == 1
-    assert len(manager.get_block_ids("r")) == 3
+    assert len(manager.get_block_ids("r")[0]) == 3
     assert manager.num_free_blocks == 5
 
 
@@ -114,10 +116,10 @@ def test_chunked_allocation_and_zero_new_tokens() -> None:
     manager = make_manager(num_blocks=8)
     request = make_request("r", list(range(10)))
     assert start(manager, request, num_new_tokens=3) is not None
-    assert len(manager.get_blocks("r")) == 1
+    assert len(manager.get_blocks("r")[0]) == 1
     new_blocks = manager.allocate_slots(request, 7)
-    assert new_blocks is not None and len(new_blocks) == 2
-    assert manager.allocate_slots(request, 0) == []
+    assert new_blocks is not None and len(new_blocks[0]) == 2
+    assert manager.allocate_slots(request, 0) == ([],)
 
 
 def test_allocation_failure_changes_nothing() -> None:
@@ -137,13 +139,13 @@ def test_allocation_failure_changes_nothing() -> None:
     assert result is None
     after = (free_queue_ids(manager), [(b.block_id, b.ref_cnt, b.block_hash) for b in manager.block_pool.blocks])
     assert after == before
-    assert manager.get_blocks("b") == []
-    assert "b" not in manager.req_to_blocks
+    assert manager.get_blocks("b")[0] == []
+    assert "b" not in manager.managers[0].req_to_blocks
 
     # A running request that cannot grow keeps its table as it was.
-    blocks_before = manager.get_block_ids("hog")
+    blocks_before = manager.get_block_ids("hog")[0]
     assert manager.allocate_slots(hog, 4 * BLOCK_SIZE) is None
-    assert manager.get_block_ids("hog") == blocks_before
+    assert manager.get_block_ids("hog")[0] == blocks_before
 
 
 def test_revived_hit_blocks_count_against_free_blocks() -> None:
@@ -174,7 +176,7 @@ def test_free_returns_blocks() -> None:
     manager.free(request)
     assert manager.num_free_blocks == 8
     assert manager.usage == 0.0
-    assert manager.get_block_ids("r") == []
+    assert manager.get_block_ids("r")[0] == []
     manager.free(request)  # freeing again is a no-op
     assert manager.num_free_blocks == 8
 
@@ -210,11 +212,11 @@ def test_prefix_hit_block_aligned() -> None:
     b = make_request("b", shared + [60, 61, 62, 63, 64])
     computed_blocks, num_computed_tokens = manager.get_computed_blocks(b)
     assert num_computed_tokens == 8
-    assert computed_blocks == manager.get_blocks("a")[:2]
+    assert computed_blocks[0] == manager.get_blocks("a")[0][:2]
     new_blocks = manager.allocate_slots(b, b.num_tokens - 8, computed_blocks, num_computed_tokens)
-    assert new_blocks is not None and len(new_blocks) == 2
-    assert manager.get_block_ids("b")[:2] == manager.get_block_ids("a")[:2]
-    assert all(block.ref_cnt == 2 for block in computed_blocks)
+    assert new_blocks is not None and len(new_blocks[0]) == 2
+    assert manager.get_block_ids("b")[0][:2] == manager.get_block_ids("a")[0][:2]
+    assert all(block.ref_cnt == 2 for block in computed_blocks[0])
     assert manager.prefix_cache_stats.num_hit_tokens == 8
 
 
@@ -225,11 +227,11 @@ def test_prefix_hit_not_block_aligned() -> None:
     b = make_request("b", list(range(10)) + [77])  # shares 10 tokens; only 2 full blocks hit
     computed_blocks, num_computed_tokens = manager.get_computed_blocks(b)
     assert num_computed_tokens == 8
-    assert [blk.block_id for blk in computed_blocks] == manager.get_block_ids("a")[:2]
+    assert [blk.block_id for blk in computed_blocks[0]] == manager.get_block_ids("a")[0][:2]
     c = make_request("c", list(range(6)) + [99, 99, 99])  # diverges inside the second block
     computed_blocks, num_computed_tokens = manager.get_computed_blocks(c)
     assert num_computed_tokens == 4
-    assert [blk.block_id for blk in computed_blocks] == manager.get_block_ids("a")[:1]
+    assert [blk.block_id for blk in computed_blocks[0]] == manager.get_block_ids("a")[0][:1]
 
 
 def test_full_prompt_hit_keeps_last_token_uncomputed() -> None:
@@ -241,13 +243,13 @@ def test_full_prompt_hit_keeps_last_token_uncomputed() -> None:
     b = make_request("b", prompt)
     computed_blocks, num_computed_tokens = manager.get_computed_blocks(b)
     assert num_computed_tokens == 8 < b.num_tokens
-    assert len(computed_blocks) == 2
+    assert len(computed_blocks[0]) == 2
     # The last block is recomputed into a new block; 4 tokens to compute, one new block.
     new_blocks = manager.allocate_slots(b, 4, computed_blocks, num_computed_tokens)
-    assert new_blocks is not None and len(new_blocks) == 1
+    assert new_blocks is not None and len(new_blocks[0]) == 1
     # A prompt shorter than a block never hits.
     short = make_request("short", [0, 1, 2, 3])
-    assert manager.get_computed_blocks(short) == ([], 0)
+    assert manager.get_computed_blocks(short) == (([],), 0)
 
 
 def test_generated_tokens_are_cached_too() -> None:
@@ -275,16 +277,16 @@ def test_cached_free_block_is_revived_by_hit() -> None:
     manager = make_manager(num_blocks=8)
     a = make_request("a", list(range(9)))
     assert start(manager, a) is not None
-    a_block_ids = manager.get_block_ids("a")
+    a_block_ids = manager.get_block_ids("a")[0]
     manager.free(a)
     assert manager.num_free_blocks == 8
     assert manager.num_cached_free_blocks == 2
     b = make_request("b", list(range(8)) + [40, 41])
     computed_blocks, num_computed_tokens = manager.get_computed_blocks(b)
-    assert [blk.block_id for blk in computed_blocks] == a_block_ids[:2]
-    assert all(blk.ref_cnt == 0 for blk in computed_blocks)
+    assert [blk.block_id for blk in computed_blocks[0]] == a_block_ids[:2]
+    assert all(blk.ref_cnt == 0 for blk in computed_blocks[0])
     assert manager.allocate_slots(b, 2, computed_blocks, num_computed_tokens) is not None
-    assert all(blk.ref_cnt == 1 for blk in computed_blocks)
+    assert all(blk.ref_cnt == 1 for blk in computed_blocks[0])
     assert not set(a_block_ids[:2]) & set(free_queue_ids(manager))
     assert manager.num_free_blocks == 5
     assert manager.num_cached_free_blocks == 0
@@ -296,20 +298,20 @@ def test_lru_eviction_order() -> None:
     b = make_request("b", list(range(100, 108)))
     assert start(manager, a) is not None
     assert start(manager, b) is not None
-    a_ids, b_ids = manager.get_block_ids("a"), manager.get_block_ids("b")
+    a_ids, b_ids = manager.get_block_ids("a")[0], manager.get_block_ids("b")[0]
     manager.free(a)  # freed first: evicted first, its tail block before its head
     manager.free(b)
     # The two never-used blocks are handed out before any cached block is evicted.
     uncached = make_request("u", list(range(200, 208)))
     assert start(manager, uncached) is not None
-    assert set(manager.get_block_ids("u")).isdisjoint(a_ids + b_ids)
+    assert set(manager.get_block_ids("u")[0]).isdisjoint(a_ids + b_ids)
     assert free_queue_ids(manager) == [a_ids[1], a_ids[0], b_ids[1], b_ids[0]]
     eviction_order = []
     for i in range(4):
         request = make_request(f"x{i}", list(range(300 + 10 * i, 304 + 10 * i)))
         new_blocks = manager.allocate_slots(request, 4)
         assert new_blocks is not None
-        eviction_order.append(new_blocks[0].block_id)
+        eviction_order.append(new_blocks[0][0].block_id)
     assert eviction_order == [a_ids[1], a_ids[0], b_ids[1], b_ids[0]]
 
 
@@ -323,7 +325,7 @@ def test_evicted_blocks_no_longer_hit() -> None:
     assert start(manager, other) is not None
     manager.free(other)
     again = make_request("again", list(range(8)) + [1])
-    assert manager.get_computed_blocks(again) == ([], 0)
+    assert manager.get_computed_blocks(again) == (([],), 0)
     assert all(blk.block_hash != a.block_hashes[0] for blk in manager.block_pool.blocks)
 
 
@@ -332,7 +334,7 @@ def test_caching_disabled_gives_no_hits() -> None:
     a = make_request("a", list(range(8)))
     assert start(manager, a) is not None
     b = make_request("b", list(range(8)) + [1])
-    assert manager.get_computed_blocks(b) == ([], 0)
+    assert manager.get_computed_blocks(b) == (([],), 0)
     assert all(blk.block_hash is None for blk in manager.block_pool.blocks)
     manager.free(a)
     assert manager.num_cached_free_blocks == 0
@@ -343,7 +345,7 @@ def test_prompt_logprobs_disables_hits() -> None:
     a = make_request("a", list(range(8)))
     assert start(manager, a) is not None
     b = make_request("b", list(range(8)) + [1], prompt_logprobs=1)
-    assert manager.get_computed_blocks(b) == ([], 0)
+    assert manager.get_computed_blocks(b) == (([],), 0)
 
 
 def test_prefix_cache_stats() -> None:
@@ -375,7 +377,7 @@ def test_reset_prefix_cache() -> None:
     assert manager.reset_prefix_cache()
     assert manager.num_cached_free_blocks == 0
     assert manager.block_pool.cached_block_hash_to_block == {}
-    assert manager.get_computed_blocks(make_request("b", list(range(8)) + [1])) == ([], 0)
+    assert manager.get_computed_blocks(make_request("b", list(range(8)) + [1])) == (([],), 0)
 
 
 def test_duplicate_hash_keeps_one_mapping() -> None:
@@ -383,12 +385,12 @@ def test_duplicate_hash_keeps_one_mapping() -> None:
     prompt = list(range(8))
     a, b = make_request("a", prompt + [1]), make_request("b", prompt + [2])
     # Both look up before either allocates, as when two requests compute the same prefix at once.
-    assert manager.get_computed_blocks(a) == ([], 0)
-    assert manager.get_computed_blocks(b) == ([], 0)
+    assert manager.get_computed_blocks(a) == (([],), 0)
+    assert manager.get_computed_blocks(b) == (([],), 0)
     assert manager.allocate_slots(a, a.num_tokens) is not None
     assert manager.allocate_slots(b, b.num_tokens) is not None
     a.num_computed_tokens, b.num_computed_tokens = a.num_tokens, b.num_tokens
-    a_blocks, b_blocks = manager.get_blocks("a"), manager.get_blocks("b")
+    a_blocks, b_blocks = manager.get_blocks("a")[0], manager.get_blocks("b")[0]
     pool = manager.block_pool
     assert [pool.get_cached_block(h) for h in a.block_hashes] == a_blocks[:2]
     assert all(blk.block_hash is None for blk in b_blocks)
@@ -430,9 +432,9 @@ def check_invariants(manager: KVCacheManager, requests: dict[str, Request]) -> N
     free_blocks = pool.free_block_queue.get_all_free_blocks()
     free_ids = [blk.block_id for blk in free_blocks]
     assert len(free_ids) == len(set(free_ids)) == manager.num_free_blocks
-    assert set(manager.req_to_blocks) == set(requests)
+    assert set(manager.managers[0].req_to_blocks) == set(requests)
     holders = Counter()
-    for request_id, req_blocks in manager.req_to_blocks.items():
+    for request_id, req_blocks in manager.managers[0].req_to_blocks.items():
         ids = [blk.block_id for blk in req_blocks]
         assert len(ids) == len(set(ids)), f"block twice in the table of {request_id}"
         holders.update(ids)
@@ -466,7 +468,7 @@ def test_random_operations_keep_invariants(seed: int, enable_caching: bool) -> N
     num_hit_tokens = 0
 
     def write_kv(request: Request, num_new_tokens: int) -> None:
-        req_blocks = manager.get_blocks(request.request_id)
+        req_blocks = manager.get_blocks(request.request_id)[0]
         for pos in range(request.num_computed_tokens, request.num_computed_tokens + num_new_tokens):
             kv_contents[req_blocks[pos // BLOCK_SIZE].block_id][pos % BLOCK_SIZE] = request.all_token_ids[pos]
 
@@ -481,8 +483,8 @@ def test_random_operations_keep_invariants(seed: int, enable_caching: bool) -> N
             request = waiting[0]
             computed_blocks, num_computed_tokens = manager.get_computed_blocks(request)
             assert num_computed_tokens < request.num_tokens
-            assert num_computed_tokens == len(computed_blocks) * BLOCK_SIZE
-            for i, block in enumerate(computed_blocks):
+            assert num_computed_tokens == len(computed_blocks[0]) * BLOCK_SIZE
+            for i, block in enumerate(computed_blocks[0]):
                 expected = request.all_token_ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
                 assert kv_contents[block.block_id] == expected
             num_remaining = request.num_tokens - num_computed_tokens
@@ -491,7 +493,7 @@ def test_random_operations_keep_invariants(seed: int, enable_caching: bool) -> N
             new_blocks = manager.allocate_slots(request, num_new_tokens, computed_blocks, num_computed_tokens)
             if new_blocks is None:
                 assert manager.num_free_blocks == free_before
-                assert request.request_id not in manager.req_to_blocks
+                assert request.request_id not in manager.managers[0].req_to_blocks
             else:
                 waiting.pop(0)
                 request.num_computed_tokens = num_computed_tokens
@@ -508,10 +510,10 @@ def test_random_operations_keep_invariants(seed: int, enable_caching: bool) -> N
                 num_new_tokens = 1
             else:
                 continue
-            table_before = manager.get_block_ids(request.request_id)
+            table_before = manager.get_block_ids(request.request_id)[0]
             new_blocks = manager.allocate_slots(request, num_new_tokens)
             if new_blocks is None:
-                assert manager.get_block_ids(request.request_id) == table_before
+                assert manager.get_block_ids(request.request_id)[0] == table_before
                 # Preempt by recompute, as the scheduler does under KV pressure.
                 manager.free(request)
                 del running[request.request_id]

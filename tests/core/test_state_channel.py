@@ -100,9 +100,10 @@ def test_a_batch_fed_only_by_scheduler_outputs_holds_the_schedulers_state():
             lo, hi = step.query_start_loc[b], step.query_start_loc[b + 1]
             positions = step.positions[lo:hi]
             assert step.input_ids[lo:hi].tolist() == [request.all_token_ids[p] for p in positions]
-            block_ids = sched.kv_cache_manager.get_block_ids(req_id)
             row = batch.requests[req_id].row
-            assert np.array_equal(batch.block_table[row, : len(block_ids)], block_ids)
+            for table, block_ids in zip(batch.block_tables, sched.kv_cache_manager.get_block_ids(req_id),
+                                        strict=True):
+                assert np.array_equal(table[row, : len(block_ids)], block_ids)
             done = request.num_computed_tokens >= request.num_tokens
             sampled.append([_fake_token(request.all_token_ids)] if done else [])
         sched.update_from_output(out, ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled))

@@ -79,9 +79,14 @@ def test_greedy_matches_hf_fp32(arch, mode, tiny_checkpoints, references, engine
         pytest.skip("eager is the CPU platform's only mode; nothing new under the interpreter")
     ps, refs = references
     kwargs = {**engine_kwargs, **MODES[mode]}
+    if arch == "gemma3" and "num_gpu_blocks_override" in MODES[mode]:
+        # two KV-cache groups of one layer (tests/e2e/test_hf_parity.py says why these numbers)
+        kwargs.update(num_gpu_blocks_override=16, max_num_batched_tokens=16)
     llm = LLM(model=tiny_checkpoints[arch], dtype="float32", **kwargs)
     runner = llm.llm_engine.core.executor.worker.model_runner
     assert type(runner).__name__ == "CudaModelRunner" and runner.attn_backend.name == "triton"
+    # one persistent block-table buffer per KV-cache group (gemma3: full and sliding)
+    assert len(runner.block_tables) == (2 if arch == "gemma3" else 1)
     assert bool(runner._graphs) == (mode != "eager")
     forgiven = assert_greedy_matches_hf(tiny_checkpoints[arch], ps, MAX_NEW, llm=llm, reference=refs[arch])
     core = llm.llm_engine.core

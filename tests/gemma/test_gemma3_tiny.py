@@ -89,8 +89,10 @@ def reference(tiny_gemma3: str):
         {},
         # chunked prefill: a long prompt's chunks must still see exactly the last WINDOW keys
         {"max_num_batched_tokens": 8, "max_num_seqs": 3, "enable_prefix_caching": False},
-        # 2-token blocks: windows span several blocks; preemption recomputes from scratch
-        {"block_size": 2, "num_gpu_blocks_override": 90, "max_model_len": 160},
+        # 2-token blocks: windows span several blocks; preemption recomputes from scratch. One
+        # full and three sliding KV-cache groups of one layer each; with 16-token chunks one
+        # request needs at most 80 + 3 x 13 blocks, and the full group's growth forces preemption.
+        {"block_size": 2, "num_gpu_blocks_override": 120, "max_model_len": 160, "max_num_batched_tokens": 16},
     ],
     ids=["default", "chunked", "small-blocks-preempt"],
 )
@@ -136,6 +138,39 @@ def test_tiny_gemma3_gguf_roundtrip_matches_hf(tiny_gemma3: str, tmp_path: Path)
     model.save_pretrained(str(ref_dir))
     build_bpe_tokenizer(ref_dir, vocab_size=512, model_max_length=512, style="gpt2")
     ref = hf_greedy(ref_dir, prompts()[:3], MAX_NEW)
-    llm = LLM(model=path, dtype="float32", device="cpu", num_gpu_blocks_override=64)
+    # four KV-cache groups of one layer: 32 blocks each at max_model_len 512
+    llm = LLM(model=path, dtype="float32", device="cpu", num_gpu_blocks_override=128)
     assert llm.llm_engine.vllm_config.load_config.load_format == "gguf"
     assert_greedy_matches_hf(path, prompts()[:3], MAX_NEW, llm=llm, reference=ref)
+
+
+def test_tiny_gemma3_long_request_frees_sliding_blocks(tiny_gemma3: str) -> None:
+    """A long request keeps its whole context only in the full group: while it decodes, the
+    sliding groups hold about a window of blocks each and give the rest back to the pool."""
+    from pagedlm.core import SamplingParams
+
+    block_size, prompt_len, max_new = 2, 90, 40
+    llm = LLM(model=tiny_gemma3, dtype="float32", device="cpu", block_size=block_size, enable_prefix_caching=False)
+    engine = llm.llm_engine
+    kv = engine.core.scheduler.kv_cache_manager
+    assert [type(g.spec).__name__ for g in kv.kv_cache_groups] == ["FullAttentionSpec"] + ["SlidingWindowSpec"] * 3
+    engine.add_request("long", {"prompt_token_ids": prompts()[4][:prompt_len]},
+                       SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True))
+    held, free = [], []
+    while engine.has_unfinished_requests():
+        engine.step()
+        request = engine.core.scheduler.requests.get("long")
+        if request is not None:
+            held.append((request.num_computed_tokens, kv.num_held_blocks("long")))
+            free.append(kv.num_free_blocks)
+    assert kv.num_free_blocks == kv.num_blocks, "every block is back once the request is done"
+    # Decoding: the full group holds every block, each sliding group the window's (W = 8 tokens:
+    # the last 7 before the next query plus itself, over at most 5 blocks of 2).
+    for num_computed, num_held in held[1:]:
+        full = -(-num_computed // block_size)
+        assert full <= num_held <= full + 3 * (WINDOW // block_size + 1)
+    # without groups every layer would hold every block: 4x the full group's
+    num_computed, num_held = held[-1]
+    assert num_held < 2 * -(-num_computed // block_size)
+    assert free[-1] < free[1], "the full group grows as the request decodes"
+    llm.shutdown()

@@ -28,7 +28,8 @@ class BuildContext:
 
 @dataclass
 class ForwardContext:
-    #: the backend metadata of this step (one object shared by all layers)
+    #: the backend metadata of this step: a list indexed by KV-cache group id (each layer reads
+    #: its group's), or one object every layer shares (a single group; start-up passes; tests)
     attn_metadata: Any
 
 

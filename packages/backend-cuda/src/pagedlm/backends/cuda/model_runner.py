@@ -9,12 +9,13 @@ token, so their rows are computed and ignored. Everything else (prefill chunks, 
 larger batches) runs eagerly through the same buffers. ``enforce_eager=True`` turns graphs off.
 
 Buffer packing (why: one copy, and fixed addresses per padded size for graph replay): one int64
-buffer holds the token data ``input_ids | positions | slot_mapping``, each segment ``n`` long and
-starting at a multiple of ``_tok_stride(n)``; then the request data ``query_start_loc (b + 1) |
-seq_lens (b) | decode_order (b)`` as int32 (segments at multiples of ``_req_stride(b)``); then, for async
-scheduling, the positions in ``input_ids`` of tokens still on the device and their rows in the
-last sampled tensor. The block table ``[max_num_seqs, max_blocks_per_req]`` int32 is apart: its
-row stride never changes. Segments start on 64-byte boundaries because Triton specialises kernels on
+buffer holds the token data ``input_ids | positions | slot_mapping`` (one slot mapping per
+KV-cache group), each segment ``n`` long and starting at a multiple of ``_tok_stride(n)``; then the
+request data ``query_start_loc (b + 1) | seq_lens (b) | decode_order (b)`` as int32 (segments at
+multiples of ``_req_stride(b)``); then, for async scheduling, the positions in ``input_ids`` of
+tokens still on the device and their rows in the last sampled tensor. The block tables
+``[max_num_seqs, max_blocks_per_req]`` int32, one per group, are apart: their row stride never
+changes. Segments start on 64-byte boundaries because Triton specialises kernels on
 16-byte pointer alignment: unaligned views would compile a second variant of every kernel in
 the middle of a run.
 """
@@ -75,23 +76,7 @@ class CudaModelRunner(ModelRunner):
         self.max_blocks = self.input_batch.max_blocks_per_req
         on_cuda = device.type == "cuda"
         pin = self.platform.is_pin_memory_available()
-        # int64 elements: token data, request data (4 int32 segments: 2 int64 per _req_stride),
-        # fed-token indices
-        step_len = 3 * _tok_stride(self.max_num_tokens) + 2 * _req_stride(self.max_num_reqs) \
-            + 2 * _tok_stride(self.max_num_reqs)
-        self._step_buf = torch.zeros(step_len, dtype=torch.int64, device=device)
-        self._fed = (self._step_buf[:0], self._step_buf[:0])  # this step's (fed positions, sample rows)
-        self.block_table = torch.zeros(self.max_num_reqs, self.max_blocks, dtype=torch.int32, device=device)
-        # NOTE: two sets of pinned staging buffers, used in turn: with async scheduling the host
-        # stages step N+1 while the copies of step N may still be queued behind the device's
-        # work, so a step must not overwrite the buffers the step before it copies from. (The
-        # step after next may: its inputs are staged after the engine waited for step N's tokens,
-        # which the device produced after step N's copies.)
-        self._staging = [
-            (torch.zeros(step_len, dtype=torch.int64, pin_memory=pin),
-             torch.zeros(self.max_num_reqs * self.max_blocks, dtype=torch.int32, pin_memory=pin))
-            for _ in range(2)
-        ]
+        self._allocate_step_buffers()
         self._num_staged = 0
         self._sampled_host = [torch.zeros(self.max_num_reqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._copy_events = [torch.cuda.Event() for _ in range(2)] if on_cuda else []
@@ -112,6 +97,36 @@ class CudaModelRunner(ModelRunner):
             self._pad_to[: size + 1] = size
         self.capture_time_s = 0.0
 
+    def _allocate_step_buffers(self) -> None:
+        """The persistent device inputs and their pinned staging, for the KV-cache groups."""
+        pin = self.platform.is_pin_memory_available()
+        num_groups = self.num_kv_cache_groups
+        # int64 elements: token data (ids, positions, a slot mapping per group), request data
+        # (4 int32 segments: 2 int64 per _req_stride), fed-token indices
+        step_len = (2 + num_groups) * _tok_stride(self.max_num_tokens) + 2 * _req_stride(self.max_num_reqs) \
+            + 2 * _tok_stride(self.max_num_reqs)
+        self._step_buf = torch.zeros(step_len, dtype=torch.int64, device=self.device)
+        self._fed = (self._step_buf[:0], self._step_buf[:0])  # this step's (fed positions, sample rows)
+        self.block_tables = [torch.zeros(self.max_num_reqs, self.max_blocks, dtype=torch.int32, device=self.device)
+                             for _ in range(num_groups)]
+        # NOTE: two sets of pinned staging buffers, used in turn: with async scheduling the host
+        # stages step N+1 while the copies of step N may still be queued behind the device's
+        # work, so a step must not overwrite the buffers the step before it copies from. (The
+        # step after next may: its inputs are staged after the engine waited for step N's tokens,
+        # which the device produced after step N's copies.)
+        self._staging = [
+            (torch.zeros(step_len, dtype=torch.int64, pin_memory=pin),
+             [torch.zeros(self.max_num_reqs * self.max_blocks, dtype=torch.int32, pin_memory=pin)
+              for _ in range(num_groups)])
+            for _ in range(2)
+        ]
+
+    def set_kv_cache_groups(self, groups) -> None:
+        num_groups = self.num_kv_cache_groups
+        super().set_kv_cache_groups(groups)
+        if self.num_kv_cache_groups != num_groups:
+            self._allocate_step_buffers()
+
     def load_model(self) -> None:
         super().load_model()
         kv_heads = {layer.num_kv_heads for layer in self.attention_layers.values()}
@@ -127,11 +142,12 @@ class CudaModelRunner(ModelRunner):
 
         ``step=None`` stages an all-padding batch: a decode batch when ``num_tokens ==
         num_reqs`` (graph capture), else one whose first request has the extra tokens."""
-        step_host, bt_host = self._staging[self._num_staged % 2]
+        step_host, bt_hosts = self._staging[self._num_staged % 2]
         self._num_staged += 1
         t = step_host.numpy()
         ts, rs = _tok_stride(num_tokens), _req_stride(num_reqs)
-        req_at = 3 * ts  # int64 offset of the request data; int32 offset 2 * req_at
+        num_groups = len(self.block_tables)
+        req_at = (2 + num_groups) * ts  # int64 offset of the request data; int32 offset 2 * req_at
         r = t[req_at : req_at + 2 * rs].view(np.int32)
         req_buf = self._step_buf[req_at : req_at + 2 * rs].view(torch.int32)
         req_host = step_host[req_at : req_at + 2 * rs].view(torch.int32)
@@ -141,7 +157,8 @@ class CudaModelRunner(ModelRunner):
             real_t, real_b = len(step.input_ids), len(step.req_ids)
             t[:real_t] = step.input_ids
             t[ts : ts + real_t] = step.positions
-            t[2 * ts : 2 * ts + real_t] = step.slot_mapping
+            for g, slots in enumerate(step.slot_mappings):
+                t[(2 + g) * ts : (2 + g) * ts + real_t] = slots
             r[: real_b + 1] = step.query_start_loc
             r[rs : rs + real_b] = step.seq_lens
             num_fed = len(step.fed_token_indices)
@@ -149,7 +166,8 @@ class CudaModelRunner(ModelRunner):
         if num_tokens > real_t:  # padded requests: one token each, nothing stored, context 1
             t[real_t:num_tokens] = 0
             t[ts + real_t : ts + num_tokens] = 0
-            t[2 * ts + real_t : 2 * ts + num_tokens] = -1
+            for g in range(num_groups):
+                t[(2 + g) * ts + real_t : (2 + g) * ts + num_tokens] = -1
             # (an all-padding batch of more tokens than requests gives the surplus to the first)
             surplus = num_tokens - num_reqs if step is None else 0
             r[real_b + 1 : num_reqs + 1] = np.arange(real_t + 1, real_t + 1 + num_reqs - real_b) + surplus
@@ -175,17 +193,19 @@ class CudaModelRunner(ModelRunner):
         max_seq_len = self.max_model_len
         max_query_len = 1 + surplus
         if step is not None and real_b:
-            if real_b * self.max_blocks <= _FULL_ROWS_MAX:
-                # Whole rows: one contiguous copy (a strided one costs a device-side kernel too).
-                nb = self.max_blocks
-                staged = bt_host[: real_b * nb].view(real_b, nb)
-                np.take(self.input_batch.block_table, step.rows, axis=0, out=staged.numpy())
-                self.block_table[:real_b].copy_(staged, non_blocking=True)
-            else:
-                nb = step.block_table.shape[1]
-                staged = bt_host[: real_b * nb].view(real_b, nb)
-                staged.numpy()[:] = step.block_table
-                self.block_table[:real_b, :nb].copy_(staged, non_blocking=True)
+            for block_table, bt_host, host_table, step_table in zip(
+                    self.block_tables, bt_hosts, self.input_batch.block_tables, step.block_tables, strict=True):
+                if real_b * self.max_blocks <= _FULL_ROWS_MAX:
+                    # Whole rows: one contiguous copy (a strided one costs a device-side kernel too).
+                    nb = self.max_blocks
+                    staged = bt_host[: real_b * nb].view(real_b, nb)
+                    np.take(host_table, step.rows, axis=0, out=staged.numpy())
+                    block_table[:real_b].copy_(staged, non_blocking=True)
+                else:
+                    nb = step_table.shape[1]
+                    staged = bt_host[: real_b * nb].view(real_b, nb)
+                    staged.numpy()[:] = step_table
+                    block_table[:real_b, :nb].copy_(staged, non_blocking=True)
             max_seq_len = int(step.seq_lens.max())
             max_query_len = int(step.num_scheduled.max())
         return CommonAttentionMetadata(
@@ -194,7 +214,7 @@ class CudaModelRunner(ModelRunner):
             seq_lens=req_buf[rs : rs + num_reqs],
             seq_lens_cpu=req_host[rs : rs + num_reqs],
             num_computed_tokens_cpu=torch.from_numpy(step.num_computed) if step is not None else torch.zeros(0),
-            block_table=self.block_table[:num_reqs],
+            block_table=self.block_tables[0][:num_reqs],
             slot_mapping=self._step_buf[2 * ts : 2 * ts + num_tokens],
             num_reqs=num_reqs,
             num_actual_tokens=num_tokens,
@@ -202,6 +222,17 @@ class CudaModelRunner(ModelRunner):
             max_seq_len=max_seq_len,
             decode_order=req_buf[2 * rs : 2 * rs + num_reqs] if decode_only else None,
         )
+
+    def _metadata(self, common: CommonAttentionMetadata):
+        """The backend metadata of a staged step: per KV-cache group, its persistent block table
+        and slot-mapping segment (one object for a single group)."""
+        if len(self.block_tables) == 1:
+            return self.metadata_builder.build(common)
+        num_tokens, num_reqs = common.num_actual_tokens, common.num_reqs
+        ts = _tok_stride(num_tokens)
+        slot_mappings = [self._step_buf[(2 + g) * ts : (2 + g) * ts + num_tokens]
+                         for g in range(len(self.block_tables))]
+        return self.build_attention_metadata(common, [bt[:num_reqs] for bt in self.block_tables], slot_mappings)
 
     def _ids_positions(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         ts = _tok_stride(num_tokens)
@@ -221,8 +252,7 @@ class CudaModelRunner(ModelRunner):
             replay()
             self._graph_logits = logits[:num_reqs]
             return hidden[:num_tokens]
-        common = self._stage(step, num_tokens, num_reqs)
-        metadata = self.metadata_builder.build(common)
+        metadata = self._metadata(self._stage(step, num_tokens, num_reqs))
         input_ids, positions = self._ids_positions(num_tokens)
         self.feed_sampled_tokens(input_ids, step)
         with set_forward_context(metadata):
@@ -374,8 +404,7 @@ class CudaModelRunner(ModelRunner):
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         for size in reversed(self.capture_sizes):
-            common = self._stage(None, size, size)
-            metadata = self.metadata_builder.build(common)
+            metadata = self._metadata(self._stage(None, size, size))
             input_ids, positions = self._ids_positions(size)
 
             def forward(metadata=metadata, input_ids=input_ids, positions=positions) -> tuple[torch.Tensor, ...]:

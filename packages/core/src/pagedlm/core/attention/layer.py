@@ -46,17 +46,22 @@ class Attention(nn.Module):
         )
         #: bound by the model runner once the KV cache is allocated
         self.kv_cache: torch.Tensor = torch.empty(0)
+        #: the KV-cache group whose block table this layer reads (set by the model runner)
+        self.kv_cache_group_id = 0
         if prefix in ctx.attention_layers:
             raise ValueError(f"two attention layers share the prefix {prefix!r}")
         ctx.attention_layers[prefix] = self
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         num_tokens = query.shape[0]
+        metadata = get_forward_context().attn_metadata
+        if type(metadata) is list:  # one metadata per KV-cache group
+            metadata = metadata[self.kv_cache_group_id]
         out = self.impl.forward(
             query.view(num_tokens, self.num_heads, self.head_size),
             key.view(num_tokens, self.num_kv_heads, self.head_size),
             value.view(num_tokens, self.num_kv_heads, self.head_size),
             self.kv_cache,
-            get_forward_context().attn_metadata,
+            metadata,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_size)

@@ -10,6 +10,7 @@ from concurrent.futures import Future
 from pagedlm.core.config import VllmConfig
 from pagedlm.core.executor import Executor
 from pagedlm.core.kv_cache import KVCacheManager
+from pagedlm.core.kv_cache.spec import KVCacheGroupSpec, group_size, make_kv_cache_groups, max_blocks_per_request
 from pagedlm.core.logger import init_logger
 from pagedlm.core.request import EngineCoreRequest, Request, RequestStatus
 from pagedlm.core.sched import EngineCoreOutput, Scheduler, SchedulerStats
@@ -33,7 +34,8 @@ class EngineCore:
         executor_s = time.perf_counter() - start
         try:
             #: KV-cache blocks allocated on every rank (the front end reports it)
-            self.num_gpu_blocks = num_blocks = self._initialize_kv_cache()
+            num_blocks, kv_cache_groups = self._initialize_kv_cache()
+            self.num_gpu_blocks = num_blocks
         except BaseException:
             self.executor.shutdown()
             raise
@@ -54,6 +56,7 @@ class EngineCore:
                 block_size=cc.block_size,
                 enable_caching=cc.enable_prefix_caching,
                 max_model_len=vllm_config.max_model_len,
+                kv_cache_groups=kv_cache_groups,
             ),
             max_num_seqs=sc.max_num_seqs,
             max_num_batched_tokens=int(sc.max_num_batched_tokens or 8192),
@@ -67,12 +70,16 @@ class EngineCore:
         self.batch_queue: deque[tuple[Future, SchedulerOutput]] | None = deque() if depth > 1 else None
         self.batch_queue_size = depth
 
-    def _initialize_kv_cache(self) -> int:
+    def _initialize_kv_cache(self) -> tuple[int, list[KVCacheGroupSpec]]:
         cc = self.vllm_config.cache_config
         start = time.perf_counter()
+        groups = make_kv_cache_groups(self.executor.get_kv_cache_specs())
+        self.executor.set_kv_cache_groups(groups)
         num_blocks = self.executor.determine_num_available_blocks()
         max_len = self.vllm_config.max_model_len
-        needed = -(-max_len // cc.block_size)
+        # what one request of max_model_len holds at most at once, over all KV-cache groups
+        needed = max_blocks_per_request(groups, max_len, cc.block_size,
+                                        int(self.vllm_config.scheduler_config.max_num_batched_tokens or 8192))
         if cc.num_gpu_blocks_override is None:
             # NOTE: more blocks than max_num_seqs full-length requests can hold would only keep
             # more of the prefix cache, at the price of start-up time and memory; cap there.
@@ -87,11 +94,11 @@ class EngineCore:
             )
         self.executor.initialize_cache(num_blocks)
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens; max concurrency %.1fx at max_model_len=%d (%.2fs)",
-            num_blocks, cc.block_size, num_blocks * cc.block_size, num_blocks / needed, max_len,
-            time.perf_counter() - start,
+            "KV cache: %d blocks x %d tokens, %d group(s) of %d layer(s); max concurrency %.1fx at "
+            "max_model_len=%d (%.2fs)", num_blocks, cc.block_size, len(groups), group_size(groups),
+            num_blocks / needed, max_len, time.perf_counter() - start,
         )
-        return num_blocks
+        return num_blocks, groups
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future
 
 from pagedlm.core.config import VllmConfig
+from pagedlm.core.kv_cache.spec import AttentionSpec, KVCacheGroupSpec
 from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -41,6 +42,15 @@ class Executor(ABC):
         """Start the workers, init their devices and load the model."""
 
     @abstractmethod
+    def get_kv_cache_specs(self) -> dict[str, AttentionSpec]:
+        """Every rank's attention layers and their spans, merged (pipeline stages hold different
+        layers; tensor-parallel ranks the same)."""
+
+    @abstractmethod
+    def set_kv_cache_groups(self, groups: list[KVCacheGroupSpec]) -> None:
+        """Give every rank the KV-cache groups, before the cache is sized and allocated."""
+
+    @abstractmethod
     def determine_num_available_blocks(self) -> int:
         """The number of KV blocks every rank can hold (the minimum over ranks)."""
 
@@ -61,6 +71,14 @@ class Executor(ABC):
 
     def shutdown(self) -> None:
         """Stop the workers (idempotent)."""
+
+
+def merge_kv_cache_specs(per_rank: list[dict[str, AttentionSpec]]) -> dict[str, AttentionSpec]:
+    """One layer -> span map from every rank's, in layer order (ranks hold layers in stage order)."""
+    merged: dict[str, AttentionSpec] = {}
+    for specs in per_rank:
+        merged.update(specs)
+    return merged
 
 
 def done_future(value: ModelRunnerOutput) -> Future[ModelRunnerOutput]:

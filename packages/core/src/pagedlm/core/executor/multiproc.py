@@ -33,7 +33,8 @@ from pagedlm.core.config import VllmConfig
 from pagedlm.core.distributed import output_rank
 from pagedlm.core.distributed.shm_broadcast import ShmBroadcast, ShmReader
 from pagedlm.core.distributed.utils import describe_exit, format_exception, get_open_port, mp_context
-from pagedlm.core.executor.abstract import Executor
+from pagedlm.core.executor.abstract import Executor, merge_kv_cache_specs
+from pagedlm.core.kv_cache.spec import AttentionSpec, KVCacheGroupSpec
 from pagedlm.core.logger import init_logger
 from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 
@@ -302,6 +303,12 @@ class MultiprocExecutor(Executor):
         return [results[r] for r in range(self.world_size)]
 
     # -- the Executor interface ------------------------------------------------------------------
+    def get_kv_cache_specs(self) -> dict[str, AttentionSpec]:
+        return merge_kv_cache_specs(self.collective_rpc("get_kv_cache_specs"))
+
+    def set_kv_cache_groups(self, groups: list[KVCacheGroupSpec]) -> None:
+        self.collective_rpc("set_kv_cache_groups", groups)
+
     def determine_num_available_blocks(self) -> int:
         return min(self.collective_rpc("determine_num_available_blocks"))
 

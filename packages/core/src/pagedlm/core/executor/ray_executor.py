@@ -23,7 +23,8 @@ from typing import Any
 
 from pagedlm.core.distributed import output_rank
 from pagedlm.core.distributed.utils import format_exception, get_open_port
-from pagedlm.core.executor.abstract import Executor
+from pagedlm.core.executor.abstract import Executor, merge_kv_cache_specs
+from pagedlm.core.kv_cache.spec import AttentionSpec, KVCacheGroupSpec
 from pagedlm.core.logger import init_logger
 from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 
@@ -183,6 +184,12 @@ class RayExecutor(Executor):
 
     def _call_all(self, method: str, *args: Any) -> list[Any]:
         return self._gather([a.execute.remote(method, args, True) for a in self.actors], all_results=True)
+
+    def get_kv_cache_specs(self) -> dict[str, AttentionSpec]:
+        return merge_kv_cache_specs(self._call_all("get_kv_cache_specs"))
+
+    def set_kv_cache_groups(self, groups: list[KVCacheGroupSpec]) -> None:
+        self._call_all("set_kv_cache_groups", groups)
 
     def determine_num_available_blocks(self) -> int:
         return min(self._call_all("determine_num_available_blocks"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 from pagedlm.core.executor.abstract import Executor, done_future
+from pagedlm.core.kv_cache.spec import AttentionSpec, KVCacheGroupSpec
 from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedlm.core.worker.worker import Worker
 
@@ -14,6 +15,12 @@ class UniProcExecutor(Executor):
         self.worker = Worker(self.vllm_config, local_rank=0, rank=0)
         self.worker.init_device()
         self.worker.load_model()
+
+    def get_kv_cache_specs(self) -> dict[str, AttentionSpec]:
+        return self.worker.get_kv_cache_specs()
+
+    def set_kv_cache_groups(self, groups: list[KVCacheGroupSpec]) -> None:
+        self.worker.set_kv_cache_groups(groups)
 
     def determine_num_available_blocks(self) -> int:
         return self.worker.determine_num_available_blocks()

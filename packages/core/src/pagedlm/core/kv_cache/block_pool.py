@@ -9,6 +9,9 @@ A block is in exactly one of two states:
 
 The free queue is the eviction order: ``get_new_blocks`` takes from the head, so the head is the
 least recently freed block.
+
+The pool serves every KV-cache group (kv_cache/spec.py): a block is held by one group at a time,
+and the prefix cache keys a block by its chained hash *and* its group (:func:`cache_key`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,18 @@ class KVCacheBlock:
     def __repr__(self) -> str:
         hash_str = self.block_hash.hex()[:12] if self.block_hash is not None else None
         return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={hash_str})"
+
+
+#: Stands in a block table for a block freed because it left a sliding window: never in the pool,
+#: never referenced or cached. Its id 0 is a real block of the pool, so the worker's table holds a
+#: valid index there; attention never reads it (the window masks those positions).
+NULL_BLOCK = KVCacheBlock(0)
+
+
+def cache_key(block_hash: bytes, group_id: int) -> bytes:
+    """The prefix-cache key of a block of ``group_id``: equal tokens hold different K/V in
+    different groups (other layers). Group 0 keys by the plain hash."""
+    return block_hash if group_id == 0 else block_hash + group_id.to_bytes(2, "little")
 
 
 class FreeKVCacheBlockQueue:
@@ -129,8 +144,8 @@ class BlockPool:
         """Fraction of blocks in use (held by at least one request)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
-        return self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(self, block_hash: bytes, group_id: int = 0) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(cache_key(block_hash, group_id))
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` blocks from the head of the free queue, each with ``ref_cnt`` 1.
@@ -171,12 +186,14 @@ class BlockPool:
         block_hashes: Sequence[bytes],
         num_cached_blocks: int,
         num_full_blocks: int,
+        group_id: int = 0,
     ) -> None:
         """Record in the prefix cache ``blocks[num_cached_blocks:num_full_blocks]``.
 
-        ``blocks`` is a request's block table and ``block_hashes`` its chained hashes, which must
-        cover at least ``num_full_blocks`` blocks. The first ``num_cached_blocks`` were recorded
-        before (or came from hits) and are skipped.
+        ``blocks`` is a request's block table in group ``group_id`` and ``block_hashes`` its
+        chained hashes, which must cover at least ``num_full_blocks`` blocks. The first
+        ``num_cached_blocks`` were recorded before (or came from hits) and are skipped, and so
+        are ``NULL_BLOCK`` entries (blocks already freed out of a sliding window).
         """
         if num_cached_blocks >= num_full_blocks or not self.enable_caching:
             return
@@ -185,10 +202,10 @@ class BlockPool:
         hash_to_block = self.cached_block_hash_to_block
         for block_idx in range(num_cached_blocks, num_full_blocks):
             block = blocks[block_idx]
-            if block.block_hash is not None:
+            if block.block_hash is not None or block is NULL_BLOCK:
                 # Already recorded (e.g. it was a hit on a later allocation path); nothing new.
                 continue
-            block_hash = block_hashes[block_idx]
+            block_hash = cache_key(block_hashes[block_idx], group_id)
             if block_hash in hash_to_block:
                 # Another block already holds this content (two requests computed the same
                 # prefix at once). Keep the existing mapping; this block stays uncached and is

@@ -14,7 +14,8 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    #: one block table per KV-cache group (kv_cache/spec.py)
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
 
 
@@ -22,16 +23,18 @@ class NewRequestData:
 class CachedRequestData:
     """Requests the workers already hold, in schedule order.
 
-    NOTE: for a request resumed after preemption, ``new_block_ids[i]`` is its whole new block
-    table, ``token_ids[i]`` is its full token list (prompt + outputs) and ``new_token_ids[i]`` is
-    empty; otherwise ``new_block_ids[i]`` is appended to its table, ``token_ids[i]`` is None and
-    ``new_token_ids[i]`` holds the tokens the scheduler received for it since it last scheduled it
-    (the output tokens the workers have not been sent yet, oldest first).
+    ``new_block_ids[i]`` holds one list of block ids per KV-cache group. NOTE: for a request
+    resumed after preemption, they are its whole new block tables, ``token_ids[i]`` is its full
+    token list (prompt + outputs) and ``new_token_ids[i]`` is empty; otherwise each list is
+    appended to that group's table, ``token_ids[i]`` is None and ``new_token_ids[i]`` holds the
+    tokens the scheduler received for it since it last scheduled it (the output tokens the
+    workers have not been sent yet, oldest first). A sliding-window group never sends the blocks
+    it freed: the worker's table keeps their stale ids, at positions the window masks.
     """
 
     req_ids: list[str] = field(default_factory=list)
     resumed_from_preemption: list[bool] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
     token_ids: list[list[int] | None] = field(default_factory=list)
     new_token_ids: list[list[int]] = field(default_factory=list)

@@ -173,7 +173,7 @@ class Scheduler:
                 num_decode_tokens += 1
             cached.req_ids.append(request.request_id)
             cached.resumed_from_preemption.append(False)
-            cached.new_block_ids.append([b.block_id for b in new_blocks])
+            cached.new_block_ids.append(tuple([b.block_id for b in blocks] for blocks in new_blocks))
             cached.num_computed_tokens.append(request.num_computed_tokens)
             cached.token_ids.append(None)
             # NOTE: only tokens back from the workers are sent: with async scheduling the one
@@ -208,7 +208,7 @@ class Scheduler:
             if request.status == RequestStatus.PREEMPTED:
                 cached.req_ids.append(request.request_id)
                 cached.resumed_from_preemption.append(True)
-                cached.new_block_ids.append(list(block_ids))
+                cached.new_block_ids.append(block_ids)
                 cached.num_computed_tokens.append(num_computed)
                 cached.token_ids.append(list(request.all_token_ids))
                 cached.new_token_ids.append([])
@@ -218,7 +218,7 @@ class Scheduler:
                         req_id=request.request_id,
                         prompt_token_ids=request.prompt_token_ids,
                         sampling_params=request.sampling_params,
-                        block_ids=list(block_ids),
+                        block_ids=block_ids,
                         num_computed_tokens=num_computed,
                     )
                 )

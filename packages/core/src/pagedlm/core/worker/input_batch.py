@@ -1,8 +1,9 @@
 """The model runner's persistent view of the requests it holds.
 
-Each request gets a row of two host tables that live as long as the request: its token ids
-(``[max_num_reqs, max_model_len]``) and its block table (``[max_num_reqs, max_blocks]``). A step's
-flat inputs are then gathered with vectorized numpy indexing instead of per-token Python loops.
+Each request gets a row of host tables that live as long as the request: its token ids
+(``[max_num_reqs, max_model_len]``) and one block table per KV-cache group (``[max_num_reqs,
+max_blocks]`` each). A step's flat inputs (one slot mapping and block table per group) are then
+gathered with vectorized numpy indexing instead of per-token Python loops.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class CachedRequestState:
     generator: torch.Generator | None
     num_tokens: int
     num_computed_tokens: int
-    num_blocks: int
+    #: entries of its block table in each KV-cache group
+    num_blocks: list[int]
     output_token_ids: list[int] = field(default_factory=list)
     #: tokens sampled on the device whose ids the host does not have yet (async scheduling);
     #: they follow the ``num_tokens`` known ones
@@ -52,9 +54,9 @@ class StepInputs:
     query_start_loc: np.ndarray  # [B + 1]
     input_ids: np.ndarray  # [T]
     positions: np.ndarray  # [T]
-    slot_mapping: np.ndarray  # [T]
+    slot_mappings: list[np.ndarray]  # per KV-cache group: [T]
     seq_lens: np.ndarray  # [B]
-    block_table: np.ndarray  # [B, max_blocks_in_step]
+    block_tables: list[np.ndarray]  # per KV-cache group: [B, max_blocks_in_step]
     #: batch indices of requests whose last scheduled token is their last token
     sample_indices: np.ndarray  # [S]
     #: async scheduling: flat indices into ``input_ids`` whose token is still on the device
@@ -65,7 +67,7 @@ class StepInputs:
 
 class InputBatch:
     def __init__(self, *, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, num_kv_cache_groups: int = 1) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -73,7 +75,8 @@ class InputBatch:
         self.device = device
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
+        self.block_tables = [np.zeros((max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
+                             for _ in range(num_kv_cache_groups)]
         self.requests: dict[str, CachedRequestState] = {}
         #: preempted requests: out of the tables (their blocks are gone), their state kept for
         #: when they resume (the generator of a seeded request has to go on where it stopped)
@@ -111,18 +114,19 @@ class InputBatch:
                 generator.manual_seed(params.seed)
             num_prompt = len(new.prompt_token_ids)
             self.token_ids[row, :num_prompt] = new.prompt_token_ids
-            self.block_table[row, : len(new.block_ids)] = new.block_ids
+            for table, ids in zip(self.block_tables, new.block_ids, strict=True):
+                table[row, : len(ids)] = ids
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id, row=row, prompt_token_ids=list(new.prompt_token_ids), sampling_params=params,
                 generator=generator, num_tokens=num_prompt, num_computed_tokens=new.num_computed_tokens,
-                num_blocks=len(new.block_ids),
+                num_blocks=[len(ids) for ids in new.block_ids],
             )
         for i, req_id in enumerate(cached.req_ids):
             new_block_ids = cached.new_block_ids[i]
             if cached.resumed_from_preemption[i]:
                 state = self.preempted.pop(req_id)
                 state.row = self._take_row()
-                state.num_blocks = 0
+                state.num_blocks = [0] * len(self.block_tables)
                 token_ids = cached.token_ids[i]
                 assert token_ids is not None
                 self.token_ids[state.row, : len(token_ids)] = token_ids
@@ -135,10 +139,11 @@ class InputBatch:
             else:
                 state = self.requests[req_id]
                 self._append_tokens(state, cached.new_token_ids[i])
-            if new_block_ids:
-                start = state.num_blocks
-                self.block_table[state.row, start : start + len(new_block_ids)] = new_block_ids
-                state.num_blocks += len(new_block_ids)
+            for g, ids in enumerate(new_block_ids):
+                if ids:
+                    start = state.num_blocks[g]
+                    self.block_tables[g][state.row, start : start + len(ids)] = ids
+                    state.num_blocks[g] += len(ids)
             state.num_computed_tokens = cached.num_computed_tokens[i]
 
     def set_sampled_on_device(self, states: list[CachedRequestState], sampled: torch.Tensor) -> None:
@@ -192,9 +197,11 @@ class InputBatch:
         input_ids = self.token_ids[token_rows, positions]
         seq_lens = num_computed + num_scheduled
         max_blocks = int(-(-seq_lens.max() // self.block_size)) if len(states) else 0
-        block_table = self.block_table[rows, :max_blocks]
-        block_ids = self.block_table[token_rows, positions // self.block_size].astype(np.int64)
-        slot_mapping = block_ids * self.block_size + positions % self.block_size
+        block_index, block_offset = positions // self.block_size, positions % self.block_size
+        block_tables, slot_mappings = [], []
+        for table in self.block_tables:
+            block_tables.append(table[rows, :max_blocks])
+            slot_mappings.append(table[token_rows, block_index].astype(np.int64) * self.block_size + block_offset)
         fed_token_indices = fed_sample_indices = _EMPTY
         if num_pending.any():
             sample_indices = np.nonzero(seq_lens >= num_known + num_pending)[0]
@@ -209,7 +216,7 @@ class InputBatch:
             sample_indices = np.nonzero(seq_lens >= num_known)[0]
         return StepInputs(
             req_ids=req_ids, rows=rows, num_scheduled=num_scheduled, num_computed=num_computed,
-            query_start_loc=query_start_loc, input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
-            seq_lens=seq_lens, block_table=block_table, sample_indices=sample_indices,
+            query_start_loc=query_start_loc, input_ids=input_ids, positions=positions, slot_mappings=slot_mappings,
+            seq_lens=seq_lens, block_tables=block_tables, sample_indices=sample_indices,
             fed_token_indices=fed_token_indices, fed_sample_indices=fed_sample_indices,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,13 @@ from pagedlm.core.attention.selector import get_attn_backend_cls
 from pagedlm.core.config import VllmConfig
 from pagedlm.core.distributed import get_pp_group, pp_forward
 from pagedlm.core.forward_context import set_forward_context
+from pagedlm.core.kv_cache.spec import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    attention_spec,
+    make_kv_cache_groups,
+)
 from pagedlm.core.layers import custom_ops
 from pagedlm.core.logger import init_logger
 from pagedlm.core.model_loader import load_model
@@ -106,7 +114,11 @@ class ModelRunner:
             self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
         self.attention_layers: dict = {}
+        #: one tensor per cache slot (kv_cache/spec.py): layer j of every KV-cache group uses slot j
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_cache_groups: list[KVCacheGroupSpec] = [KVCacheGroupSpec((), FullAttentionSpec())]
+        #: layer name -> its cache slot
+        self.kv_cache_slots: dict[str, int] = {}
         self.input_batch = InputBatch(
             max_num_reqs=vllm_config.scheduler_config.max_num_seqs,
             max_model_len=self.max_model_len,
@@ -122,21 +134,65 @@ class ModelRunner:
     def load_model(self) -> None:
         with custom_ops.use_ops(self.layer_ops):
             self.model, self.attention_layers = load_model(self.vllm_config, self.attn_backend, self.device)
+        # The groups of this rank's layers; the engine core replaces them with the groups of every
+        # rank's layers (pipeline stages hold different layers) before sizing the cache.
+        self.set_kv_cache_groups(make_kv_cache_groups(self.get_kv_cache_specs()))
+
+    def get_kv_cache_specs(self) -> dict[str, AttentionSpec]:
+        """Each attention layer's span, in layer order.
+
+        NOTE: groups share cache tensors slot by slot, which needs one K/V shape for every layer;
+        a model whose layers differ in shape is reported as all full attention (one group, one
+        tensor per layer, no block freed early).
+        """
+        layers = self.attention_layers
+        if len({(layer.num_kv_heads, layer.head_size) for layer in layers.values()}) > 1:
+            return {name: FullAttentionSpec() for name in layers}
+        return {name: attention_spec(layer.sliding_window) for name, layer in layers.items()}
+
+    def set_kv_cache_groups(self, groups: list[KVCacheGroupSpec]) -> None:
+        """Adopt the KV-cache groups (before the cache exists): each layer learns its group, whose
+        metadata it reads, and its slot, whose tensor it uses; the batch keeps a table per group."""
+        self.kv_cache_groups = groups
+        self.kv_cache_slots = {}
+        for group_id, group in enumerate(groups):
+            for slot, name in enumerate(group.layer_names):
+                layer = self.attention_layers.get(name)
+                if layer is not None:  # another pipeline stage's layer otherwise
+                    layer.kv_cache_group_id = group_id
+                    self.kv_cache_slots[name] = slot
+        if len(groups) != len(self.input_batch.block_tables):
+            ib = self.input_batch
+            self.input_batch = InputBatch(max_num_reqs=ib.max_num_reqs, max_model_len=ib.max_model_len,
+                                          block_size=ib.block_size, vocab_size=ib.vocab_size, device=ib.device,
+                                          num_kv_cache_groups=len(groups))
+
+    @property
+    def num_kv_cache_groups(self) -> int:
+        return len(self.kv_cache_groups)
+
+    def _slot_layers(self) -> dict[int, list]:
+        """Cache slot -> this rank's layers using it."""
+        slots: dict[int, list] = {}
+        for name, layer in self.attention_layers.items():
+            slots.setdefault(self.kv_cache_slots[name], []).append(layer)
+        return slots
+
+    def _slot_shape(self, layers: list, num_blocks: int) -> tuple[int, ...]:
+        layer = layers[0]  # NOTE: layers sharing a slot have one shape (get_kv_cache_specs)
+        return self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
 
     def kv_cache_bytes_per_block(self) -> int:
-        total = 0
-        for layer in self.attention_layers.values():
-            shape = self.attn_backend.get_kv_cache_shape(1, self.block_size, layer.num_kv_heads, layer.head_size)
-            total += int(np.prod(shape)) * self.dtype.itemsize
-        return total
+        """Bytes one block id costs on this rank: one block of every cache slot."""
+        return sum(int(np.prod(self._slot_shape(layers, 1))) * self.dtype.itemsize
+                   for layers in self._slot_layers().values())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = []
-        for layer in self.attention_layers.values():
-            shape = self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, layer.num_kv_heads,
-                                                         layer.head_size)
-            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.kv_cache = cache
+        for layers in self._slot_layers().values():
+            cache = torch.zeros(self._slot_shape(layers, num_blocks), dtype=self.dtype, device=self.device)
+            for layer in layers:
+                layer.kv_cache = cache
             self.kv_caches.append(cache)
 
     # -- one step ---------------------------------------------------------------------------
@@ -224,7 +280,7 @@ class ModelRunner:
 
     def _eager_inputs(self, step: StepInputs) -> tuple[object, torch.Tensor, torch.Tensor]:
         """(attention metadata, input_ids [T], positions [T]) of a step, copied to the device."""
-        metadata = self.metadata_builder.build(self._common_metadata(step))
+        metadata = self.build_attention_metadata(self._common_metadata(step), step.block_tables, step.slot_mappings)
         input_ids = torch.from_numpy(step.input_ids).to(self.device, non_blocking=True)
         self.feed_sampled_tokens(input_ids, step)
         positions = torch.from_numpy(step.positions).to(self.device, non_blocking=True)
@@ -255,7 +311,25 @@ class ModelRunner:
         platform can measure the activation peak. Extension point: a no-op here (host memory
         is not sized from a peak); device runners override it."""
 
+    def build_attention_metadata(self, common: CommonAttentionMetadata, block_tables: list,
+                                 slot_mappings: list) -> object:
+        """The backend metadata of a step: one object for a single KV-cache group, else a list, one
+        per group: ``common`` is group 0's; group ``g``'s is ``common`` with ``block_tables[g]`` and
+        ``slot_mappings[g]`` (host arrays, or device tensors already in place)."""
+        first = self.metadata_builder.build(common)
+        if len(block_tables) == 1:
+            return first
+        return [first] + [self.metadata_builder.build(dataclasses.replace(
+            common, block_table=self._on_device(table, torch.int32), slot_mapping=self._on_device(slots, torch.int64)))
+            for table, slots in zip(block_tables[1:], slot_mappings[1:], strict=True)]
+
+    def _on_device(self, a: np.ndarray | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(a, torch.Tensor):
+            return a
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=self.device, dtype=dtype, non_blocking=True)
+
     def _common_metadata(self, step: StepInputs) -> CommonAttentionMetadata:
+        """The step's metadata with KV-cache group 0's block table and slot mapping."""
         dev = self.device
 
         def to_dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -269,8 +343,8 @@ class ModelRunner:
             seq_lens=seq_lens_cpu.to(dev),
             seq_lens_cpu=seq_lens_cpu,
             num_computed_tokens_cpu=torch.from_numpy(step.num_computed).to(torch.int32),
-            block_table=to_dev(np.ascontiguousarray(step.block_table), torch.int32),
-            slot_mapping=to_dev(step.slot_mapping, torch.int64),
+            block_table=to_dev(np.ascontiguousarray(step.block_tables[0]), torch.int32),
+            slot_mapping=to_dev(step.slot_mappings[0], torch.int64),
             num_reqs=len(step.req_ids),
             num_actual_tokens=int(step.query_start_loc[-1]),
             max_query_len=int(step.num_scheduled.max()),

@@ -10,6 +10,7 @@ from pagedlm.core.distributed import (
     init_distributed_environment,
     initialize_model_parallel,
 )
+from pagedlm.core.kv_cache.spec import AttentionSpec, KVCacheGroupSpec
 from pagedlm.core.logger import init_logger
 from pagedlm.core.platforms import resolve_platform
 from pagedlm.core.plugins import resolve_class_path
@@ -52,6 +53,14 @@ class Worker:
     def load_model(self) -> None:
         assert self.model_runner is not None
         self.model_runner.load_model()
+
+    def get_kv_cache_specs(self) -> dict[str, AttentionSpec]:
+        assert self.model_runner is not None
+        return self.model_runner.get_kv_cache_specs()
+
+    def set_kv_cache_groups(self, groups: list[KVCacheGroupSpec]) -> None:
+        assert self.model_runner is not None
+        self.model_runner.set_kv_cache_groups(groups)
 
     def kv_cache_bytes_per_block(self) -> int:
         assert self.model_runner is not None
