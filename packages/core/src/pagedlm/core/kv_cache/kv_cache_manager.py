@@ -135,7 +135,9 @@ class KVCacheManager:
             num_total_tokens = request.num_computed_tokens + num_new_tokens
             if req_blocks and num_total_tokens <= len(req_blocks) * self.block_size \
                     and num_total_tokens <= self.max_model_len:
-                if self.enable_caching:
+                # (the check cache_blocks starts with, inlined: this runs for every decode row)
+                if self.enable_caching and min(num_total_tokens, request.num_tokens) // self.block_size \
+                        > single.num_cached_blocks[request_id]:
                     single.cache_blocks(request, min(num_total_tokens, request.num_tokens))
                 return self._no_blocks
         managers = self.managers

@@ -81,6 +81,7 @@ class Scheduler:
         pipeline_depth: int = 1,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self._no_block_ids: tuple[list[int], ...] = tuple([] for _ in kv_cache_manager.managers)
         self.async_scheduling = async_scheduling
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -173,7 +174,9 @@ class Scheduler:
                 num_decode_tokens += 1
             cached.req_ids.append(request.request_id)
             cached.resumed_from_preemption.append(False)
-            cached.new_block_ids.append(tuple([b.block_id for b in blocks] for blocks in new_blocks))
+            # NOTE: most decode rows get no block: one shared empty entry (workers only read it)
+            cached.new_block_ids.append(tuple([b.block_id for b in blocks] for blocks in new_blocks)
+                                        if any(new_blocks) else self._no_block_ids)
             cached.num_computed_tokens.append(request.num_computed_tokens)
             cached.token_ids.append(None)
             # NOTE: only tokens back from the workers are sent: with async scheduling the one

@@ -121,30 +121,54 @@ class InputBatch:
                 generator=generator, num_tokens=num_prompt, num_computed_tokens=new.num_computed_tokens,
                 num_blocks=[len(ids) for ids in new.block_ids],
             )
-        for i, req_id in enumerate(cached.req_ids):
-            new_block_ids = cached.new_block_ids[i]
-            if cached.resumed_from_preemption[i]:
-                state = self.preempted.pop(req_id)
-                state.row = self._take_row()
-                state.num_blocks = [0] * len(self.block_tables)
-                token_ids = cached.token_ids[i]
-                assert token_ids is not None
-                self.token_ids[state.row, : len(token_ids)] = token_ids
-                state.num_tokens = len(token_ids)
-                # NOTE: in place: cached sampling metadata holds this list. The full token list
-                # includes every token this runner sampled before the preemption: none is pending.
-                state.output_token_ids[:] = token_ids[state.num_prompt_tokens :]
-                state.num_pending = 0
-                self.requests[req_id] = state
+        # One token per decode row is the common case: those are written in one numpy assignment.
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[int] = []
+        requests, max_len = self.requests, self.max_model_len
+        for req_id, resumed, new_block_ids, num_computed, new_token_ids, all_token_ids in zip(
+                cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids, cached.num_computed_tokens,
+                cached.new_token_ids, cached.token_ids, strict=True):
+            if resumed:
+                state = self._resume(req_id, all_token_ids)
             else:
-                state = self.requests[req_id]
-                self._append_tokens(state, cached.new_token_ids[i])
-            for g, ids in enumerate(new_block_ids):
-                if ids:
-                    start = state.num_blocks[g]
-                    self.block_tables[g][state.row, start : start + len(ids)] = ids
-                    state.num_blocks[g] += len(ids)
-            state.num_computed_tokens = cached.num_computed_tokens[i]
+                state = requests[req_id]
+                if len(new_token_ids) == 1 and state.num_tokens < max_len:
+                    rows.append(state.row)
+                    cols.append(state.num_tokens)
+                    values.append(new_token_ids[0])
+                    state.num_tokens += 1
+                    state.output_token_ids.append(new_token_ids[0])
+                    # NOTE: a runner that samples counted this token as pending when it drew it;
+                    # a pipeline stage that does not sample never has pending tokens.
+                    if state.num_pending:
+                        state.num_pending -= 1
+                elif new_token_ids:
+                    self._append_tokens(state, new_token_ids)
+            if any(new_block_ids):  # (most decode rows get no block)
+                for g, ids in enumerate(new_block_ids):
+                    if ids:
+                        start = state.num_blocks[g]
+                        self.block_tables[g][state.row, start : start + len(ids)] = ids
+                        state.num_blocks[g] += len(ids)
+            state.num_computed_tokens = num_computed
+        if rows:
+            self.token_ids[rows, cols] = values
+
+    def _resume(self, req_id: str, token_ids: list[int] | None) -> CachedRequestState:
+        """A preempted request back in the batch, with its full token list."""
+        state = self.preempted.pop(req_id)
+        state.row = self._take_row()
+        state.num_blocks = [0] * len(self.block_tables)
+        assert token_ids is not None
+        self.token_ids[state.row, : len(token_ids)] = token_ids
+        state.num_tokens = len(token_ids)
+        # NOTE: in place: cached sampling metadata holds this list. The full token list includes
+        # every token this runner sampled before the preemption: none is pending.
+        state.output_token_ids[:] = token_ids[state.num_prompt_tokens :]
+        state.num_pending = 0
+        self.requests[req_id] = state
+        return state
 
     def set_sampled_on_device(self, states: list[CachedRequestState], sampled: torch.Tensor) -> None:
         """Record a step's sampled ids ``[S]`` (row j for ``states[j]``) before they reach the host."""
