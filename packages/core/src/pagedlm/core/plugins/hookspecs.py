@@ -74,7 +74,9 @@ def pagedlm_add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
 def pagedlm_check_and_update_config(vllm_config: VllmConfig) -> None:
     """Validate or adjust an engine configuration before the engine is built.
 
-    Called for every plugin, after the platform's own ``check_and_update_config``. Raise
+    Called once, in the front end (``VllmConfig.finalize``), before any engine process starts and
+    before the config is frozen; called for every plugin, after the platform's own
+    ``check_and_update_config``. Raise
     ``ValueError`` with an actionable message to refuse a configuration; mutate fields to adjust
     it. Returns nothing.
     """
