@@ -170,13 +170,13 @@ def test_peak_memory_is_reset_before_the_profiling_run(tiny_llama, monkeypatch):
 
 
 def test_attention_backend_of_another_device_is_refused(tiny_llama, monkeypatch):
-    from pagedlm.backends.cuda.triton_attn import TritonAttentionBackend
+    from pagedlm.backends.cpu.attention import CpuPagedAttentionBackend
     from pagedlm.core import LLM
 
-    monkeypatch.setattr(TritonAttentionBackend, "supported_devices", ("cuda",))  # as without the interpreter
-    with pytest.raises(ValueError, match=r"attention_backend='triton' does not run on device='cpu' \(it supports "
-                                         r"cuda\); backends for cpu: \['cpu_paged'\]"):
-        LLM(model=tiny_llama, device="cpu", attention_backend="triton")
+    monkeypatch.setattr(CpuPagedAttentionBackend, "supported_devices", ("cuda",))  # as if it were CUDA-only
+    with pytest.raises(ValueError, match=r"attention_backend='cpu_paged' does not run on device='cpu' \(it "
+                                         r"supports cuda\); backends for cpu: \["):
+        LLM(model=tiny_llama, device="cpu", attention_backend="cpu_paged")
 
 
 def test_cuda_probe_refuses_rocm_builds(monkeypatch):
@@ -225,38 +225,15 @@ def test_core_asks_the_platform_instead_of_testing_device_types():
 
 def test_backends_declare_what_they_support():
     from pagedlm.backends.cpu.attention import CpuPagedAttentionBackend
-    from pagedlm.backends.cuda.flash_attn import FlashAttentionBackend
-    from pagedlm.backends.cuda.triton_attn import TritonAttentionBackend
-
-    assert TritonAttentionBackend.supports_graphs and not CpuPagedAttentionBackend.supports_graphs
-    assert not FlashAttentionBackend.supports_graphs  # never run here: no graphs until it is
-    FlashAttentionBackend.validate(head_size=128, dtype=torch.bfloat16, block_size=256)
-    with pytest.raises(ValueError, match="'flash_attn' needs block_size to be a multiple of 256; got block_size=16"):
-        FlashAttentionBackend.validate(head_size=128, dtype=torch.bfloat16, block_size=16)
     from pagedlm.backends.cuda.platform import CudaPlatform
 
+    assert not CpuPagedAttentionBackend.supports_graphs and CpuPagedAttentionBackend.supported_devices == ("cpu",)
+
+    class PagedBy256(CpuPagedAttentionBackend):  # a kernel's page size, as flash-attn's
+        name = "paged_by_256"
+        block_size_multiple = 256
+
+    PagedBy256.validate(head_size=128, dtype=torch.float32, block_size=512)
+    with pytest.raises(ValueError, match="'paged_by_256' needs block_size to be a multiple of 256; got block_size=16"):
+        PagedBy256.validate(head_size=128, dtype=torch.float32, block_size=16)
     assert CudaPlatform().get_attn_backend_name(VllmConfig()) == "triton"  # flash_attn only on request
-
-
-def test_triton_builder_declares_its_precompile_variants():
-    """Every split count a decode batch can be built with, each once, then one prefill."""
-    from pagedlm.backends.cuda.triton_attn import TritonAttentionMetadataBuilder
-    from pagedlm.core.attention import CommonAttentionMetadata
-
-    def stage(num_tokens, num_reqs):
-        qsl = torch.tensor([0, *range(num_tokens - num_reqs + 1, num_tokens + 1)], dtype=torch.int32)
-        seq = torch.ones(num_reqs, dtype=torch.int32)
-        return CommonAttentionMetadata(
-            query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, seq_lens_cpu=seq,
-            num_computed_tokens_cpu=torch.zeros(num_reqs, dtype=torch.int32),
-            block_table=torch.zeros(num_reqs, 256, dtype=torch.int32),
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64), num_reqs=num_reqs,
-            num_actual_tokens=num_tokens, max_query_len=num_tokens - num_reqs + 1, max_seq_len=4096)
-
-    builder = TritonAttentionMetadataBuilder(block_size=16, device=torch.device("cpu"))
-    builder.num_sms = 132
-    builder.bind_model(num_kv_heads=1, head_size=256)
-    variants = list(builder.precompile_metadata([1, 2, 4, 256], 16, stage))
-    splits = [m.num_splits for n, m in variants[:-1]]
-    assert splits == [1, 2, 4, 8, 16] and len(set(splits)) == len(splits)
-    assert variants[-1][0] == 16 and variants[-1][1].max_query_len == 16

@@ -304,3 +304,36 @@ def test_choose_num_splits():
     assert choose_num_splits(4, 8, 1024, 132) == 8  # splits of at least two 64-key tiles
     assert choose_num_splits(1, 8, 100, 132) == 1  # too short to split
     assert choose_num_splits(1, 8, 300, 132) == 2
+
+
+def test_triton_builder_declares_its_precompile_variants():
+    """Every split count a decode batch can be built with, each once, then one prefill."""
+    from pagedlm.backends.cuda.triton_attn import TritonAttentionMetadataBuilder
+    from pagedlm.core.attention import CommonAttentionMetadata
+
+    def stage(num_tokens, num_reqs):
+        qsl = torch.tensor([0, *range(num_tokens - num_reqs + 1, num_tokens + 1)], dtype=torch.int32)
+        seq = torch.ones(num_reqs, dtype=torch.int32)
+        return CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, seq_lens_cpu=seq,
+            num_computed_tokens_cpu=torch.zeros(num_reqs, dtype=torch.int32),
+            block_table=torch.zeros(num_reqs, 256, dtype=torch.int32),
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64), num_reqs=num_reqs,
+            num_actual_tokens=num_tokens, max_query_len=num_tokens - num_reqs + 1, max_seq_len=4096)
+
+    builder = TritonAttentionMetadataBuilder(block_size=16, device=torch.device("cpu"))
+    builder.num_sms = 132
+    builder.bind_model(num_kv_heads=1, head_size=256)
+    variants = list(builder.precompile_metadata([1, 2, 4, 256], 16, stage))
+    splits = [m.num_splits for n, m in variants[:-1]]
+    assert splits == [1, 2, 4, 8, 16] and len(set(splits)) == len(splits)
+    assert variants[-1][0] == 16 and variants[-1][1].max_query_len == 16
+
+
+def test_flash_attn_declares_its_page_size_and_no_graphs():
+    from pagedlm.backends.cuda.flash_attn import FlashAttentionBackend
+
+    assert not FlashAttentionBackend.supports_graphs  # never run here: no graphs until it is
+    FlashAttentionBackend.validate(head_size=128, dtype=torch.bfloat16, block_size=256)
+    with pytest.raises(ValueError, match="'flash_attn' needs block_size to be a multiple of 256; got block_size=16"):
+        FlashAttentionBackend.validate(head_size=128, dtype=torch.bfloat16, block_size=16)
