@@ -62,7 +62,14 @@ def openai_schemas(request: pytest.FixtureRequest) -> OpenAISchemas | OpenAIType
 
         with open(OPENAI_SPEC, encoding="utf-8") as f:
             validator = OpenAISchemas(yaml.safe_load(f))
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(f"tests/server: responses validated against {validator.source}")
+    request.config.stash[VALIDATED_AGAINST] = validator.source
     return validator
+
+
+VALIDATED_AGAINST = pytest.StashKey[str]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    source = config.stash.get(VALIDATED_AGAINST, None)
+    if source is not None:
+        terminalreporter.write_line(f"tests/server: responses validated against {source}")
