@@ -8,7 +8,6 @@ owns poisoned with NaN, so reading outside a context shows up in the output. The
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -52,42 +51,12 @@ class Case:
 
 
 def make_case(reqs, *, block_size, num_heads, num_kv_heads, head_size, dtype, seed=0) -> Case:
-    gen = torch.Generator().manual_seed(seed)
-    seq_lens = [c + q for c, q in reqs]
-    blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_req) + 3
-    perm = torch.randperm(num_blocks, generator=gen)
-    max_blocks = max(blocks_per_req) + 1
-    block_table = torch.full((len(reqs), max_blocks), num_blocks - 1, dtype=torch.int32)
-    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_size), float("nan"), dtype=dtype)
-    flat = cache.view(2, -1, num_kv_heads, head_size)
-    used = 0
-    keys, values, new_slots = [], [], []
-    for i, ((cached, qlen), n) in enumerate(zip(reqs, blocks_per_req)):
-        ids = perm[used : used + n]
-        used += n
-        block_table[i, :n] = ids.to(torch.int32)
-        pos = torch.arange(cached + qlen)
-        slots = ids[pos // block_size] * block_size + pos % block_size
-        k = torch.randn(cached + qlen, num_kv_heads, head_size, generator=gen).to(dtype)
-        v = torch.randn(cached + qlen, num_kv_heads, head_size, generator=gen).to(dtype)
-        flat[0, slots[:cached]] = k[:cached]
-        flat[1, slots[:cached]] = v[:cached]
-        keys.append(k[cached:])
-        values.append(v[cached:])
-        new_slots.append(slots[cached:])
-    query_lens = [q for _, q in reqs]
-    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    seq = torch.tensor(seq_lens, dtype=torch.int32)
-    slot_mapping = torch.cat(new_slots).to(torch.int64)
-    common = CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq, seq_lens_cpu=seq.clone(),
-        num_computed_tokens_cpu=torch.tensor([c for c, _ in reqs], dtype=torch.int32),
-        block_table=block_table, slot_mapping=slot_mapping, num_reqs=len(reqs),
-        num_actual_tokens=sum(query_lens), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-    )
-    query = torch.randn(sum(query_lens), num_heads, head_size, generator=gen).to(dtype)
-    return Case(common, query, torch.cat(keys), torch.cat(values), cache, slot_mapping)
+    """A mixed batch from the conformance kit's generator (random block ids, NaN where nothing is stored)."""
+    from pagedlm.core.testing.conformance.paged_batch import make_batch
+
+    batch = make_batch(tuple(reqs), block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_size=head_size, dtype=dtype, seed=seed)
+    return Case(batch.common, batch.query, batch.key, batch.value, batch.kv_cache, batch.new_slots)
 
 
 def reference(case: Case, *, num_heads, num_kv_heads, head_size, sliding_window=None, soft_cap=None,
