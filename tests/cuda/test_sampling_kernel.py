@@ -281,7 +281,21 @@ def test_sampler_uses_the_fused_op_when_it_may(device, fused_calls):
     assert fused_calls == [torch.bfloat16]
 
 
-@pytest.mark.parametrize("case", ["seeded", "top_k", "top_p", "min_p", "all_greedy"])
+def test_all_greedy_batches_take_the_fused_argmax(device, fused_calls):
+    from pagedlm.core.sample import Sampler
+    from pagedlm.core.sampling_params import SamplingParams
+
+    torch.manual_seed(7)
+    vocab = 5000
+    logits = torch.randn(3, vocab, device=device, dtype=torch.bfloat16)
+    logits[1, 17] = logits[1, 4000] = logits[1].max() + 1  # a tie: the lowest index wins, as in torch
+    out = Sampler()(logits, _metadata([SamplingParams(temperature=0.0)] * 3, vocab, device)).sampled_token_ids
+    assert fused_calls == [torch.bfloat16]
+    assert torch.equal(out, logits.argmax(-1))
+    assert int(out[1]) == 17
+
+
+@pytest.mark.parametrize("case", ["seeded", "top_k", "top_p", "min_p"])
 def test_sampler_keeps_the_torch_path(device, fused_calls, case):
     from pagedlm.core.sample import Sampler
     from pagedlm.core.sampling_params import SamplingParams
@@ -295,12 +309,9 @@ def test_sampler_keeps_the_torch_path(device, fused_calls, case):
         "top_k": [SamplingParams(temperature=0.8, top_k=5)] * 3,
         "top_p": [SamplingParams(temperature=0.8, top_p=0.9)] * 3,
         "min_p": [SamplingParams(temperature=0.8, min_p=0.1)] * 3,
-        "all_greedy": [SamplingParams(temperature=0.0)] * 3,
     }[case]
     if case == "seeded":
         generators = {0: torch.Generator(device=device).manual_seed(3)}
     out = Sampler()(logits, _metadata(params, vocab, device, generators)).sampled_token_ids
     assert fused_calls == []
     assert ((out >= 0) & (out < vocab)).all()
-    if case == "all_greedy":
-        assert torch.equal(out, logits.argmax(-1))

@@ -10,6 +10,8 @@ Switches:
   torch-sampler   core's torch sampler instead of the fused ``gumbel_sample`` kernel
   request-order   decode programs in batch order instead of longest context first
   two-per-sm      the earlier split-KV rule: split only below one program per SM, up to two
+  float32-logits  logits cast to float32 in the model (a [B, vocab] copy per step) as before
+  torch-argmax    all-greedy batches sampled by torch.argmax instead of the fused op
 """
 
 from __future__ import annotations
@@ -60,8 +62,34 @@ def _two_per_sm() -> None:
     triton_attn.choose_num_splits = choose
 
 
+def _float32_logits() -> None:
+    from pagedlm.backends.cuda.model_runner import CudaModelRunner
+    from pagedlm.core.layers.vocab_embedding import LogitsProcessor
+
+    load = CudaModelRunner.load_model
+
+    def load_float32(self) -> None:
+        load(self)
+        for module in self.model.modules():
+            if isinstance(module, LogitsProcessor):
+                module.float32_output = True
+
+    CudaModelRunner.load_model = load_float32
+
+
+def _torch_argmax() -> None:
+    from pagedlm.core.sample import sampler
+
+    sample = sampler.sample
+
+    def sample_argmax(logits, md, gumbel_sample=None):
+        return sample(logits, md, None if md.all_greedy else gumbel_sample)
+
+    sampler.sample = sample_argmax
+
+
 SWITCHES = {"none": lambda: None, "torch-sampler": _torch_sampler, "request-order": _request_order,
-            "two-per-sm": _two_per_sm}
+            "two-per-sm": _two_per_sm, "float32-logits": _float32_logits, "torch-argmax": _torch_argmax}
 
 
 def main() -> None:

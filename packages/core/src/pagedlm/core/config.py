@@ -107,9 +107,9 @@ class ModelConfig(_Freezable):
                 raise ValueError(f"model={self.model!r} has no config.json (and no .gguf file)")
             else:
                 if self.hf_config is None:
-                    from transformers import AutoConfig
+                    from pagedlm.core.model_loader.hf_config import load_hf_config
 
-                    self.hf_config = AutoConfig.from_pretrained(
+                    self.hf_config = load_hf_config(
                         self.model, trust_remote_code=self.trust_remote_code, revision=self.revision
                     )
                 self.generation_config = {**_read_generation_config(self.model), **self.generation_config}

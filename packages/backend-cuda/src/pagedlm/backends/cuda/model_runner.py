@@ -33,6 +33,7 @@ from pagedlm.core.attention.backend import CommonAttentionMetadata
 from pagedlm.core.config import VllmConfig
 from pagedlm.core.distributed import PP_TENSOR_NAMES, IntermediateTensors, get_pp_group
 from pagedlm.core.forward_context import set_forward_context
+from pagedlm.core.layers.vocab_embedding import LogitsProcessor
 from pagedlm.core.logger import init_logger
 from pagedlm.core.sample import build_sampling_metadata
 from pagedlm.core.sampling_params import SamplingParams
@@ -129,6 +130,11 @@ class CudaModelRunner(ModelRunner):
 
     def load_model(self) -> None:
         super().load_model()
+        assert self.model is not None
+        for module in self.model.modules():
+            if isinstance(module, LogitsProcessor):
+                # the sampler reads bf16 logits as they are (saves a [B, vocab] float32 copy a step)
+                module.float32_output = False
         kv_heads = {layer.num_kv_heads for layer in self.attention_layers.values()}
         if kv_heads:
             head_size = next(iter(self.attention_layers.values())).head_size

@@ -10,6 +10,10 @@ tokens. Every engine step is timed; the stats hook says which steps computed pro
   it is the per-output-token latency (TPOT) at this batch size;
 * end-to-end latency: the whole batch, submission to last token.
 
+On CUDA it also reports the decode floor of a small batch: the model's weight bytes over the
+device-to-device copy bandwidth measured in the same process (bytes read plus written), i.e. the
+time to read every weight once, and the measured decode time per token against it.
+
 Percentiles are over iterations (prefill, mean decode, end-to-end) and over all decode steps.
 """
 
@@ -21,6 +25,7 @@ import time
 from typing import Any
 
 from pagedlm.core.bench import common
+from pagedlm.core.bench.profile import profiled
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -32,6 +37,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-iters", type=int, default=10, help="measured iterations")
     p.add_argument("--num-iters-warmup", type=int, default=2, help="untimed iterations first")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the random prompt ids")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="run the measured iterations under torch.profiler; DIR gets the top ops and device time")
     common.add_engine_options(p)
     p.set_defaults(func=run)
 
@@ -56,10 +63,44 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
     engine = llm.llm_engine
     last: list[Any] = [None]
     engine.core.add_stats_listener(lambda s: last.__setitem__(0, s))
-    rng = random.Random(args.workload_seed)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
     iterations: list[dict[str, Any]] = []
     all_decode_steps: list[float] = []
+    with profiled(args.profile, engine_info["device"]) as profile_summary:
+        _iterate(args, engine, last, vocab, params, iterations, all_decode_steps)
+    floor = _weight_read_floor(llm)
+    llm.shutdown()
+    decode_means = [x["decode_mean_s"] for x in iterations if x["decode_steps"]]
+    tokens_per_iter = args.batch_size * args.output_len
+    e2e = [x["e2e_s"] for x in iterations]
+    decode = common.distribution(decode_means, 1000.0)
+    if floor and decode.get("count"):
+        floor["decode_p50_over_floor"] = decode["p50"] / floor["weight_read_ms"]
+    result = {
+        "benchmark": "latency",
+        "engine": engine_info,
+        "batch_size": args.batch_size,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "num_iters": args.num_iters,
+        "num_iters_warmup": args.num_iters_warmup,
+        "init_s": init_s,
+        "e2e_latency_ms": common.distribution(e2e, 1000.0),
+        "prefill_latency_ms": common.distribution([x["prefill_s"] for x in iterations], 1000.0),
+        "decode_latency_ms": decode,
+        "decode_step_latency_ms": common.distribution(all_decode_steps, 1000.0),
+        "output_tokens_per_s": tokens_per_iter * len(e2e) / sum(e2e),
+        "weight_read_floor": floor,
+        "iterations": iterations,
+    }
+    if profile_summary:
+        result["profile"] = profile_summary
+    return result
+
+
+def _iterate(args: argparse.Namespace, engine: Any, last: list[Any], vocab: int, params: Any,
+             iterations: list[dict[str, Any]], all_decode_steps: list[float]) -> None:
+    rng = random.Random(args.workload_seed)
     for it in range(args.num_iters_warmup + args.num_iters):
         for i in range(args.batch_size):
             ids = [rng.randrange(vocab) for _ in range(args.input_len)]
@@ -87,26 +128,21 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
             "decode_mean_s": sum(decode_steps) / len(decode_steps) if decode_steps else float("nan"),
         })
         all_decode_steps += decode_steps
-    llm.shutdown()
-    decode_means = [x["decode_mean_s"] for x in iterations if x["decode_steps"]]
-    tokens_per_iter = args.batch_size * args.output_len
-    e2e = [x["e2e_s"] for x in iterations]
-    return {
-        "benchmark": "latency",
-        "engine": engine_info,
-        "batch_size": args.batch_size,
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        "num_iters": args.num_iters,
-        "num_iters_warmup": args.num_iters_warmup,
-        "init_s": init_s,
-        "e2e_latency_ms": common.distribution(e2e, 1000.0),
-        "prefill_latency_ms": common.distribution([x["prefill_s"] for x in iterations], 1000.0),
-        "decode_latency_ms": common.distribution(decode_means, 1000.0),
-        "decode_step_latency_ms": common.distribution(all_decode_steps, 1000.0),
-        "output_tokens_per_s": tokens_per_iter * len(e2e) / sum(e2e),
-        "iterations": iterations,
-    }
+
+
+def _weight_read_floor(llm: Any) -> dict[str, float] | None:
+    """Weights (from the in-process worker) over the measured copy bandwidth, on CUDA only."""
+    import torch
+
+    if llm.vllm_config.device_config.device != "cuda" or not torch.cuda.is_available():
+        return None
+    runner = getattr(getattr(getattr(llm.llm_engine.core, "executor", None), "worker", None), "model_runner", None)
+    weight_bytes = getattr(runner, "model_weight_bytes", None)
+    if not weight_bytes:
+        return None  # the workers run in other processes
+    bandwidth = common.copy_bandwidth()
+    return {"weight_bytes": weight_bytes, "copy_bandwidth_bytes_per_s": bandwidth,
+            "weight_read_ms": weight_bytes / bandwidth * 1000.0}
 
 
 def _print(r: dict[str, Any]) -> None:
@@ -125,4 +161,19 @@ def _print(r: dict[str, Any]) -> None:
         ("decode steps (ms)", pct(r["decode_step_latency_ms"])),
         ("end-to-end (ms)", pct(r["e2e_latency_ms"])),
         ("output tokens/s", r["output_tokens_per_s"]),
+        *_floor_rows(r.get("weight_read_floor")),
     ])
+    if "profile" in r:
+        prof = r["profile"]
+        print(f"profile: {prof['directory']}/profile-top.txt (device time {prof['device_time_s']}s)")
+
+
+def _floor_rows(floor: dict[str, float] | None) -> list[tuple[str, Any]]:
+    if not floor:
+        return []
+    rows = [("weights (GiB)", floor["weight_bytes"] / 2**30),
+            ("copy bandwidth (TB/s)", floor["copy_bandwidth_bytes_per_s"] / 1e12),
+            ("weight read once (ms)", floor["weight_read_ms"])]
+    if "decode_p50_over_floor" in floor:
+        rows.append(("decode p50 / weight read", floor["decode_p50_over_floor"]))
+    return rows

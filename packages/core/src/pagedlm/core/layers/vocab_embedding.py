@@ -100,18 +100,22 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 def compute_logits(lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor, vocab_size: int | None = None,
-                   scale: float = 1.0, soft_cap: float | None = None) -> torch.Tensor:
+                   scale: float = 1.0, soft_cap: float | None = None, float32: bool = True) -> torch.Tensor:
     """``hidden_states [N, hidden] -> logits [N, vocab_size]`` float32, gathered across TP ranks.
 
     The matmul runs in the model dtype (as HF's ``lm_head`` does) and the result is cast to
-    float32; padding columns of the vocab are dropped.
+    float32; padding columns of the vocab are dropped. ``float32=False`` skips the cast when there
+    is no scale or soft cap (the result is then a view in the model dtype, row stride free).
     """
     logits = F.linear(hidden_states, lm_head.weight)
     if lm_head.tp_size > 1:
         # NOTE: rank r's columns are vocab rows [r*V_pad/tp, ...), so concatenating in rank
         # order restores vocab order.
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
-    logits = logits[..., : vocab_size or lm_head.num_embeddings].float()
+    logits = logits[..., : vocab_size or lm_head.num_embeddings]
+    if not float32 and scale == 1.0 and soft_cap is None:
+        return logits
+    logits = logits.float()
     if scale != 1.0:
         logits = logits * scale
     if soft_cap is not None:
@@ -121,13 +125,19 @@ def compute_logits(lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor,
 
 class LogitsProcessor(nn.Module):
     """Module wrapper around :func:`compute_logits`:
-    ``forward(lm_head, hidden_states [N, hidden]) -> [N, vocab_size]`` float32."""
+    ``forward(lm_head, hidden_states [N, hidden]) -> [N, vocab_size]`` float32, or in the model
+    dtype when ``float32_output`` is off and there is no scale or soft cap."""
 
     def __init__(self, vocab_size: int, scale: float = 1.0, soft_cap: float | None = None) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.scale = scale
         self.soft_cap = soft_cap
+        #: NOTE: a model runner turns this off when everything downstream casts for itself (the
+        #: sampler does: argmax and Gumbel-max pick the same ids on an exact upcast, logprobs
+        #: and logits processing cast to float32), saving a [B, vocab] float32 copy per step.
+        self.float32_output = True
 
     def forward(self, lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor) -> torch.Tensor:
-        return compute_logits(lm_head, hidden_states, self.vocab_size, self.scale, self.soft_cap)
+        return compute_logits(lm_head, hidden_states, self.vocab_size, self.scale, self.soft_cap,
+                              float32=self.float32_output)

@@ -176,7 +176,7 @@ def hf_config_from_gguf(gguf: GGUFFile) -> Any:
 
     Raises ``ValueError`` naming the file for an unsupported architecture or missing metadata.
     """
-    import transformers
+    from pagedlm.core.model_loader.hf_config import config_class
 
     arch = get_arch(gguf)
     a = arch.name
@@ -212,16 +212,16 @@ def hf_config_from_gguf(gguf: GGUFFile) -> Any:
     cls: Any
     if a == "llama":
         kwargs.update(attention_bias=has_qkv_bias, mlp_bias=False, hidden_act="silu")
-        cls = transformers.LlamaConfig
+        cls = config_class("LlamaConfig")
     elif a == "qwen2":
         kwargs.update(use_sliding_window=False, hidden_act="silu")
-        cls = transformers.Qwen2Config
+        cls = config_class("Qwen2Config")
     elif a == "qwen3":
         kwargs.update(attention_bias=has_qkv_bias, use_sliding_window=False, hidden_act="silu")
-        cls = transformers.Qwen3Config
+        cls = config_class("Qwen3Config")
     else:
         kwargs.update(_gemma3_kwargs(gguf, kwargs))
-        cls = transformers.Gemma3TextConfig
+        cls = config_class("Gemma3TextConfig")
     config = cls(**kwargs)
     config.dtype = _config_dtype(gguf)
     return config

@@ -17,7 +17,8 @@ Pipeline for logits ``[B, V]``:
    Fused path: where a platform registers ``"gumbel_sample"`` (see ``pagedlm.core.layers.
    custom_ops``) for the platform the sampler is built for, a batch with random rows, no min-p/top-k/top-p and no
    seeded random row is sampled by that one op instead: temperature, noise and argmax (greedy
-   rows included) in one pass over the logits in their own dtype.
+   rows included) in one pass over the logits in their own dtype. An all-greedy batch goes
+   through the op too where it exists: its argmax is the same ids, spread over many programs.
 
 Reproducibility contract: every random row consumes exactly one ``Exponential`` draw of ``V``
 values per call. Seeded rows draw theirs with their own generator, so a seeded request gives the
@@ -134,6 +135,10 @@ def sample(logits: torch.Tensor, md: SamplingMetadata, gumbel_sample: LayerOp | 
     """
     if md.all_greedy:
         # NOTE: same ids as on a float32 copy: the cast is exact and keeps the order and ties.
+        if gumbel_sample is not None:
+            # The op takes the argmax of rows at temperature 0 (lowest index on ties, as
+            # torch.argmax) over many programs per row; torch reduces a single row in one.
+            return gumbel_sample(logits, md.temperature, 0, 0)
         return logits.argmax(dim=-1)
     generators = _random_generators(md)
     fusable = not generators and md.min_p is None and md.top_k is None and md.top_p is None

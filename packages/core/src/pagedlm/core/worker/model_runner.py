@@ -92,6 +92,16 @@ class AsyncModelRunnerOutput:
         return self._output
 
 
+def _tensor_bytes(module: torch.nn.Module) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in module.parameters():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
 def _done(output: ModelRunnerOutput, non_block: bool) -> ModelRunnerOutput | AsyncModelRunnerOutput:
     return AsyncModelRunnerOutput.ready(output) if non_block else output
 
@@ -134,6 +144,9 @@ class ModelRunner:
     def load_model(self) -> None:
         with custom_ops.use_ops(self.layer_ops):
             self.model, self.attention_layers = load_model(self.vllm_config, self.attn_backend, self.device)
+        #: bytes of this rank's parameters (a tied tensor once), logged at start-up
+        self.model_weight_bytes = _tensor_bytes(self.model)
+        logger.info("model weights: %.2f GiB on %s", self.model_weight_bytes / 2**30, self.device)
         # The groups of this rank's layers; the engine core replaces them with the groups of every
         # rank's layers (pipeline stages hold different layers) before sizing the cache.
         self.set_kv_cache_groups(make_kv_cache_groups(self.get_kv_cache_specs()))
