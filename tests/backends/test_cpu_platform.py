@@ -237,3 +237,24 @@ def test_backends_declare_what_they_support():
     with pytest.raises(ValueError, match="'paged_by_256' needs block_size to be a multiple of 256; got block_size=16"):
         PagedBy256.validate(head_size=128, dtype=torch.float32, block_size=16)
     assert CudaPlatform().get_attn_backend_name(VllmConfig()) == "triton"  # flash_attn only on request
+
+
+def _rss_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kv_cache_is_zero_and_not_resident_until_used(dtype):
+    shape = (2, 4096, 16, 2, 1024)  # 512 MiB in float32, 256 MiB in bfloat16
+    before = _rss_bytes()
+    cache = CpuPlatform().kv_cache_tensor(shape, dtype, torch.device("cpu"))
+    grown = _rss_bytes() - before
+    nbytes = cache.numel() * cache.element_size()
+    assert cache.shape == shape and cache.dtype == dtype and cache.is_contiguous()
+    assert grown < nbytes // 8, f"allocating the cache made {grown} of {nbytes} bytes resident"
+    cache[1, 100].fill_(3.0)  # writable, and a touched block stays put
+    assert float(cache[1, 100].sum()) == 3.0 * 16 * 2 * 1024
+    assert float(cache[0, :64].abs().sum()) == 0.0 and float(cache[1, 4000:].abs().sum()) == 0.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from pagedlm.core.logger import init_logger
@@ -62,6 +63,14 @@ class CpuPlatform(Platform):
             logger.debug("CPU platform: setting enforce_eager=True (no graph capture on the CPU)")
         vllm_config.enforce_eager = True
 
+    def kv_cache_tensor(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Zeroed by the kernel, page by page, when first touched (``calloc`` of fresh pages):
+        start-up does not write gigabytes of zeros, and the process's resident memory grows
+        with the blocks in use instead of the whole cache. Zeros either way, as ``torch.zeros``."""
+        count = int(np.prod(shape))
+        raw = np.zeros(count * dtype.itemsize, dtype=np.uint8)
+        return torch.from_numpy(raw).view(dtype).view(shape)
+
     def kv_cache_memory_bytes(self, vllm_config: VllmConfig, device: torch.device) -> int:
         """Host bytes for the KV cache.
 
@@ -80,15 +89,16 @@ class CpuPlatform(Platform):
         if requested <= 0:
             raise ValueError(f"KV-cache size from {source} must be positive; got {requested} bytes")
         available = available_host_memory_bytes()
-        if available is None:
-            return requested
-        cap = available // 2
+        cap = available // 2 if available is not None else requested
         if requested > cap:
             logger.warning(
                 "KV cache of %.2f GiB (from %s) exceeds half of the available host memory; using %.2f GiB",
                 requested / GiB, source, cap / GiB,
             )
             return cap
+        logger.info("KV cache budget %.2f GiB on the CPU (from %s; set PAGEDLM_CPU_KVCACHE_SPACE=<GiB> or "
+                    "kv_cache_memory_bytes to change it); its pages become resident as blocks are used",
+                    requested / GiB, source)
         return requested
 
     def memory_summary(self) -> str:

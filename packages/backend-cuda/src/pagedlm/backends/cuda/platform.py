@@ -103,6 +103,25 @@ class CudaPlatform(Platform):
     def reset_peak_memory_stats(self, device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
+    def copy_bandwidth_bytes_per_s(self, device: torch.device, num_bytes: int = 2 << 30,
+                                   repeats: int = 20) -> float | None:
+        """A ``num_bytes / 2`` device-to-device copy (bytes read + written = ``num_bytes``) of
+        random bytes, median of ``repeats`` copies timed with events after one untimed."""
+        with torch.cuda.device(device):
+            src = torch.empty(num_bytes // 2, dtype=torch.uint8, device=device).random_()
+            dst = torch.empty_like(src)
+            dst.copy_(src)
+            times = []
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1000.0)
+            del src, dst
+        return num_bytes / sorted(times)[len(times) // 2]
+
     def kv_cache_memory_bytes(self, vllm_config: VllmConfig, device: torch.device) -> int:
         """Bytes for the KV cache: ``total * gpu_memory_utilization`` minus what is in use.
 

@@ -157,27 +157,6 @@ def warm_up(llm: Any, vocab_size: int) -> None:
 
 
 # -- statistics ---------------------------------------------------------------------------------
-def copy_bandwidth(num_bytes: int = 2 << 30, repeats: int = 20) -> float:
-    """Bytes per second of a large device-to-device copy on the current CUDA device, counting the
-    bytes read plus the bytes written (the memory-bandwidth ceiling the benchmarks compare with);
-    median of ``repeats`` copies timed with events."""
-    import torch
-
-    src = torch.empty(num_bytes // 2, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000.0)
-    del src, dst
-    return num_bytes / percentile(times, 50)
-
-
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile (numpy's default), without needing numpy."""
     if not values:

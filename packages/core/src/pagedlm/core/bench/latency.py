@@ -131,16 +131,17 @@ def _iterate(args: argparse.Namespace, engine: Any, last: list[Any], vocab: int,
 
 
 def _weight_read_floor(llm: Any) -> dict[str, float] | None:
-    """Weights (from the in-process worker) over the measured copy bandwidth, on CUDA only."""
-    import torch
+    """Weights (from the in-process worker) over the copy bandwidth the platform measures now;
+    None where it measures none (the CPU) or the workers run in other processes."""
+    from pagedlm.core.platforms import resolve_platform
 
-    if llm.vllm_config.device_config.device != "cuda" or not torch.cuda.is_available():
-        return None
     runner = getattr(getattr(getattr(llm.llm_engine.core, "executor", None), "worker", None), "model_runner", None)
     weight_bytes = getattr(runner, "model_weight_bytes", None)
     if not weight_bytes:
-        return None  # the workers run in other processes
-    bandwidth = common.copy_bandwidth()
+        return None
+    bandwidth = resolve_platform(llm.vllm_config.device_config.device).copy_bandwidth_bytes_per_s(runner.device)
+    if not bandwidth:
+        return None
     return {"weight_bytes": weight_bytes, "copy_bandwidth_bytes_per_s": bandwidth,
             "weight_read_ms": weight_bytes / bandwidth * 1000.0}
 

@@ -69,6 +69,16 @@ class Platform:
         """Bytes available for the KV cache on ``device`` after the model is loaded and profiled."""
         raise NotImplementedError
 
+    def copy_bandwidth_bytes_per_s(self, device: torch.device) -> float | None:
+        """Bytes per second of a large copy within ``device``'s memory, counting bytes read plus
+        bytes written (the bandwidth ceiling benchmarks compare with), measured when called;
+        None where the platform does not measure it."""
+        return None
+
+    def kv_cache_tensor(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zero-filled tensor for one KV-cache slot (allocated once, at start-up)."""
+        return torch.zeros(shape, dtype=dtype, device=device)
+
     def configure_threads(self, ranks_on_host: int) -> None:
         """Set the host threads of one of ``ranks_on_host`` worker processes sharing a machine
         (no-op by default: device platforms leave torch's host threads alone)."""

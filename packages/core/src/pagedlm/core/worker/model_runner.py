@@ -203,7 +203,7 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = []
         for layers in self._slot_layers().values():
-            cache = torch.zeros(self._slot_shape(layers, num_blocks), dtype=self.dtype, device=self.device)
+            cache = self.platform.kv_cache_tensor(self._slot_shape(layers, num_blocks), self.dtype, self.device)
             for layer in layers:
                 layer.kv_cache = cache
             self.kv_caches.append(cache)
