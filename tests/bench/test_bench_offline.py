@@ -120,9 +120,38 @@ def test_prefix_caching_on_vs_off(tiny_llama, tmp_path):
     assert [x["label"] for x in runs] == ["prefix caching ON", "prefix caching OFF"]
 
 
-def test_bad_options_name_the_problem(tiny_llama, capsys):
+def test_latency_compares_with_hf_generate_and_reports_memory(tiny_llama, tmp_path, capsys):
+    r = _run(["bench", "latency", "--model", tiny_llama, *CPU, "--batch-size", "2", "--input-len", "16",
+              "--output-len", "4", "--num-iters", "2", "--num-iters-warmup", "1", "--compare", "hf", "llama.cpp"],
+             tmp_path / "l.json")
+    hf, lcpp = r["peers"]
+    assert hf["peer"] == "hf" and hf["api"] == "generate" and hf["dtype"] == "float32"
+    assert _positive(hf["prefill_ms"], hf["decode_ms_per_token"], hf["e2e_ms"], hf["output_tokens_per_s"])
+    # llama.cpp runs one sequence of a GGUF file: refused here with the reason, not skipped silently
+    assert lcpp["peer"] == "llama.cpp" and "--batch-size 1" in lcpp["error"]
+    assert r["resident_memory_after_load_mb"] > 50
+    out = capsys.readouterr().out
+    assert "hf (generate)" in out and "llama.cpp" in out and "resident memory after load" in out
+
+
+def test_no_model_means_the_default_model(tiny_llama, tmp_path, monkeypatch, capsys):
+    from pagedlm.core import default_model
+
+    offer = default_model.DefaultModel("tiny-default", "x:y", served_name="tiny-default")
+    monkeypatch.setattr(default_model, "resolve_default_model", lambda: (tiny_llama, offer))
+    r = _run(["bench", "latency", *CPU, "--batch-size", "1", "--input-len", "8", "--output-len", "3",
+              "--num-iters", "1", "--num-iters-warmup", "0"], tmp_path / "l.json")
+    assert r["engine"]["model"] == "tiny-default"
+
+    def none_installed():
+        raise ValueError(default_model._no_model_message([]))
+
+    monkeypatch.setattr(default_model, "resolve_default_model", none_installed)
     assert main(["bench", "throughput", *CPU]) == 2
     assert "--model" in capsys.readouterr().err
+
+
+def test_bad_options_name_the_problem(tiny_llama, capsys):
     assert main(["bench", "throughput", "--model", tiny_llama, "--model-config", "qwen3-0.6b", *CPU]) == 2
     assert "not both" in capsys.readouterr().err
     # the tiny model's context is 512 tokens: a 600 + 100 token request cannot fit

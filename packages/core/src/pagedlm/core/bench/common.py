@@ -60,6 +60,7 @@ class EngineSetup:
 
         self.model_config_name: str | None = getattr(args, "model_config", None)
         self._tmp: str | None = None
+        self._default_name: str | None = None
         engine_args = EngineArgs.from_cli_args(args)
         kwargs = {k: v for k, v in vars(engine_args).items() if k != "additional_config"}
         if self.model_config_name:
@@ -71,8 +72,12 @@ class EngineSetup:
             kwargs["load_format"] = "dummy"
             kwargs["skip_tokenizer_init"] = True
         elif not engine_args.model:
-            raise ValueError("pass --model DIR (a local HF model directory) or --model-config "
-                             f"{{{','.join(MODEL_CONFIGS)}}} with --load-format dummy")
+            from pagedlm.core.default_model import resolve_default_model
+
+            # as `pagedlm generate`: the default model (ValueError saying how to install one, or
+            # to pass --model DIR / --model-config NAME)
+            kwargs["model"], offer = resolve_default_model()
+            self._default_name = offer.served_name or offer.name
         if kwargs.get("max_model_len") is None and need_len is not None:
             # NOTE: the default would be the model's full context (40k-128k tokens for the shipped
             # configs); one such request may not even fit the CPU's KV cache. The workload's longest
@@ -83,7 +88,8 @@ class EngineSetup:
 
     @property
     def model_label(self) -> str:
-        return self.model_config_name or os.path.basename(os.path.normpath(str(self.kwargs["model"])))
+        return (self.model_config_name or self._default_name
+                or os.path.basename(os.path.normpath(str(self.kwargs["model"]))))
 
     def build(self, **overrides: Any):
         from pagedlm.core import LLM
@@ -157,6 +163,18 @@ def warm_up(llm: Any, vocab_size: int) -> None:
 
 
 # -- statistics ---------------------------------------------------------------------------------
+def resident_memory_mb() -> float | None:
+    """This process's resident set size now (``VmRSS``), MB; None where /proc is absent."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return None
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile (numpy's default), without needing numpy."""
     if not values:

@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from pagedlm.core.bench import common
+from pagedlm.core.bench.peer_latency import PEERS
 from pagedlm.core.bench.profile import profiled
 
 
@@ -37,6 +38,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-iters", type=int, default=10, help="measured iterations")
     p.add_argument("--num-iters-warmup", type=int, default=2, help="untimed iterations first")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the random prompt ids")
+    p.add_argument("--compare", nargs="+", choices=PEERS, default=[], metavar="PEER",
+                   help="run the same batch through peers in the same run: hf (transformers' generate on the "
+                        "same weights) and/or llama.cpp (llama-cpp-python on the same GGUF file, batch 1)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="run the measured iterations under torch.profiler; DIR gets the top ops and device time")
     common.add_engine_options(p)
@@ -59,6 +63,7 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
     t_init = time.perf_counter()
     llm = setup.build()
     init_s = time.perf_counter() - t_init
+    rss_mb = common.resident_memory_mb()
     engine_info = common.engine_summary(llm, setup)
     engine = llm.llm_engine
     last: list[Any] = [None]
@@ -69,7 +74,9 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
     with profiled(args.profile, engine_info["device"]) as profile_summary:
         _iterate(args, engine, last, vocab, params, iterations, all_decode_steps)
     floor = _weight_read_floor(llm)
+    dtype, threads = llm.vllm_config.model_config.dtype, _threads()
     llm.shutdown()
+    del llm
     decode_means = [x["decode_mean_s"] for x in iterations if x["decode_steps"]]
     tokens_per_iter = args.batch_size * args.output_len
     e2e = [x["e2e_s"] for x in iterations]
@@ -91,8 +98,11 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
         "decode_step_latency_ms": common.distribution(all_decode_steps, 1000.0),
         "output_tokens_per_s": tokens_per_iter * len(e2e) / sum(e2e),
         "weight_read_floor": floor,
+        "resident_memory_after_load_mb": rss_mb,
         "iterations": iterations,
     }
+    if args.compare:
+        result["peers"] = _peers(args, setup, vocab, dtype, engine_info["device"], threads)
     if profile_summary:
         result["profile"] = profile_summary
     return result
@@ -130,6 +140,35 @@ def _iterate(args: argparse.Namespace, engine: Any, last: list[Any], vocab: int,
         all_decode_steps += decode_steps
 
 
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _peers(args: argparse.Namespace, setup: common.EngineSetup, vocab: int, dtype: Any, device: str,
+           threads: int) -> list[dict[str, Any]]:
+    from pagedlm.core.bench import peer_latency
+
+    rng = random.Random(args.workload_seed + 1)
+    prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.batch_size)]
+    model = str(setup.kwargs["model"])
+    iters, warmup = args.num_iters, min(args.num_iters_warmup, 1)
+    out = []
+    for peer in dict.fromkeys(args.compare):
+        try:
+            if peer == "hf":
+                out.append(peer_latency.hf_generate(prompts, args.output_len, model=model,
+                                                    dummy=setup.kwargs.get("load_format") == "dummy", dtype=dtype,
+                                                    device=device, iters=iters, warmup=warmup, seed=args.workload_seed))
+            else:
+                out.append(peer_latency.llama_cpp(prompts, args.output_len, model=model, iters=iters, warmup=warmup,
+                                                  threads=threads))
+        except Exception as e:  # noqa: BLE001 - a peer's failure is a result to report, not a reason to lose ours
+            out.append({"peer": peer, "error": f"{type(e).__name__}: {e}"})
+    return out
+
+
 def _weight_read_floor(llm: Any) -> dict[str, float] | None:
     """Weights (from the in-process worker) over the copy bandwidth the platform measures now;
     None where it measures none (the CPU) or the workers run in other processes."""
@@ -163,10 +202,29 @@ def _print(r: dict[str, Any]) -> None:
         ("end-to-end (ms)", pct(r["e2e_latency_ms"])),
         ("output tokens/s", r["output_tokens_per_s"]),
         *_floor_rows(r.get("weight_read_floor")),
+        *([("resident memory after load (MB)", r["resident_memory_after_load_mb"])]
+          if r.get("resident_memory_after_load_mb") else []),
+        *_peer_rows(r),
     ])
     if "profile" in r:
         prof = r["profile"]
         print(f"profile: {prof['directory']}/profile-top.txt (device time {prof['device_time_s']}s)")
+
+
+def _peer_rows(r: dict[str, Any]) -> list[tuple[str, Any]]:
+    rows: list[tuple[str, Any]] = []
+    ours = r["decode_latency_ms"].get("p50")
+    for peer in r.get("peers", []):
+        name = peer["peer"]
+        if "error" in peer:
+            rows.append((name, f"not run: {peer['error']}"))
+            continue
+        rows += [(f"{name} ({peer['api']})", f"prefill {peer['prefill_ms']:.2f} ms, decode "
+                                              f"{peer['decode_ms_per_token']:.2f} ms/token, "
+                                              f"{peer['output_tokens_per_s']:.1f} out tok/s")]
+        if ours:
+            rows.append((f"  {name} decode / pagedlm decode", f"{peer['decode_ms_per_token'] / ours:.2f}x"))
+    return rows
 
 
 def _floor_rows(floor: dict[str, float] | None) -> list[tuple[str, Any]]:

@@ -66,6 +66,7 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
     t_init = time.perf_counter()
     llm = setup.build()
     init_s = time.perf_counter() - t_init
+    rss_mb = common.resident_memory_mb()
     engine = common.engine_summary(llm, setup)
     common.warm_up(llm, vocab)
     recorder = None if data_parallel else StepRecorder(llm)
@@ -95,6 +96,7 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
         "engine": engine,
         "workload": workload.summary(),
         "init_s": init_s,
+        "resident_memory_after_load_mb": rss_mb,
         "elapsed_s": elapsed,
         "num_requests": len(outputs),
         "total_input_tokens": num_in,
