@@ -137,6 +137,7 @@ def test_serve_counts_token_ids_of_multi_token_chunks(tmp_path):
     assert r["completed"] == 4 and r["completed_without_tokens"] == 0
     assert r["tokens_counted_by"]["token_ids"] == 4 and r["streamed_token_mismatches"] == 0
     assert r["total_output_tokens"] == 4 * 7 and r["output_len_mismatches"] == 0
+    assert r["streamed_chunks"] == 4 * 3 and r["tokens_per_chunk"] == pytest.approx(7 / 3)
     assert r["ttft_ms"]["count"] == r["tpot_ms"]["count"] == 4
     # chunks of 3 + 3 + 1 tokens: 2 zero gaps after the first token, then 3 x gap/3 and 1 x gap
     assert r["itl_ms"]["count"] == 4 * 6 and r["itl_ms"]["min"] == 0.0

@@ -409,6 +409,9 @@ def _summarize(args: argparse.Namespace, workload: Any, model: str, base_url: st
                                          and r["streamed_tokens"] != r["output_tokens"]),
         "total_input_tokens": num_in,
         "total_output_tokens": num_out,
+        # chunks that carried tokens, and tokens per such chunk (> 1 with --stream-interval or a lagging server)
+        "streamed_chunks": sum(r["chunks"] for r in ok),
+        "tokens_per_chunk": (sum(r["streamed_tokens"] for r in ok) / max(1, sum(r["chunks"] for r in ok))),
         "request_throughput": len(ok) / duration if duration else 0.0,
         "output_throughput": num_out / duration if duration else 0.0,
         "total_token_throughput": (num_in + num_out) / duration if duration else 0.0,
@@ -463,7 +466,8 @@ def _print(r: dict[str, Any]) -> None:
         ("completed / errors", f"{r['completed']} / {r['errors']} (cancelled {r['cancelled']}, "
                                f"not sent {r['not_sent']})"),
         ("duration (s)", r["duration_s"]),
-        ("input / output tokens", f"{r['total_input_tokens']:,} / {r['total_output_tokens']:,}"),
+        ("input / output tokens", f"{r['total_input_tokens']:,} / {r['total_output_tokens']:,} "
+                                  f"({r['tokens_per_chunk']:.2f} tokens per streamed chunk)"),
         ("requests/s", r["request_throughput"]),
         ("output tokens/s", r["output_throughput"]),
         ("total tokens/s", r["total_token_throughput"]),
