@@ -96,6 +96,9 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    return_token_ids: bool | None = Field(
+        None, description="also return token ids: the prompt's and the generated ones (in a stream: the prompt's "
+                          "in each choice's first chunk, each chunk's own generated ids)")
 
 
 class CompletionRequest(SamplingFields):

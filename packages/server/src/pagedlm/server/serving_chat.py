@@ -118,7 +118,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         raise error from None
     request_id = random_id("chatcmpl")
     gen = state.engine.generate({"prompt": text, "prompt_token_ids": token_ids}, params, request_id)
-    builder = _ChatBuilder(state, request_id, int(time.time()), num_logprobs)
+    builder = _ChatBuilder(state, request_id, int(time.time()), num_logprobs,
+                           prompt_token_ids=token_ids if req.return_token_ids else None)
     if stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return SSEResponse(builder.stream(gen, params.n, include_usage))
@@ -139,13 +140,17 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 
 class _ChatBuilder:
-    def __init__(self, state: ServerState, request_id: str, created: int, num_logprobs: int | None) -> None:
+    def __init__(self, state: ServerState, request_id: str, created: int, num_logprobs: int | None, *,
+                 prompt_token_ids: list[int] | None = None) -> None:
         self.engine = state.engine
         self.tokenizer = state.engine.tokenizer
         self.model = state.model_name
         self.id = request_id
         self.created = created
         self.num_logprobs = num_logprobs
+        #: the prompt's ids when the request asked for token ids (``return_token_ids``), else None
+        self.prompt_token_ids = prompt_token_ids
+        self.return_ids = prompt_token_ids is not None
 
     def _logprobs(self, token_ids: list[int], logprobs: SampleLogprobs | None) -> dict[str, Any] | None:
         if self.num_logprobs is None:
@@ -168,10 +173,15 @@ class _ChatBuilder:
             "message": {"role": "assistant", "content": c.text, "refusal": None},
             "logprobs": self._logprobs(c.token_ids, c.logprobs),
             "finish_reason": finish_reason(c.finish_reason),
+            "token_ids": list(c.token_ids) if self.return_ids else None,
         } for c in out.outputs]
         num_generated = sum(len(c.token_ids) for c in out.outputs)
+        # vLLM's extensions are always there, null unless asked for (prompt_logprobs always: its
+        # request field is not supported)
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage(len(out.prompt_token_ids), num_generated, out.num_cached_tokens)}
+                "choices": choices, "usage": usage(len(out.prompt_token_ids), num_generated, out.num_cached_tokens),
+                "prompt_logprobs": None,
+                "prompt_token_ids": list(out.prompt_token_ids) if self.return_ids else None}
 
     def _chunk(self, choices: list[dict[str, Any]], include_usage: bool) -> dict[str, Any]:
         body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
@@ -195,9 +205,11 @@ class _ChatBuilder:
         yield SSE_DONE
 
     async def _events(self, gen: AsyncGenerator[RequestOutput, None], n: int, include_usage: bool):
-        # The role comes first, in a delta of its own, for every choice.
-        yield sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None} for i in range(n)], include_usage))
+        # The role comes first, in a delta of its own, for every choice; with the prompt's ids.
+        first = self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for i in range(n)], include_usage)
+        first["prompt_token_ids"] = self.prompt_token_ids
+        yield sse(first)
         finished: set[int] = set()
         num_prompt = num_generated = 0
         async for out in gen:
@@ -212,11 +224,12 @@ class _ChatBuilder:
                 reason = finish_reason(c.finish_reason)
                 if reason is not None:
                     finished.add(c.index)
-                elif not c.text and (self.num_logprobs is None or not c.token_ids):
-                    continue  # nothing to say yet (e.g. half of a multi-byte character)
+                elif not c.text and not c.token_ids:
+                    continue  # nothing new (tokens that decode to no text, e.g. half a character, still go out)
                 delta = {"content": c.text} if c.text or reason is None else {}
                 choices.append({"index": c.index, "delta": delta, "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                                "finish_reason": reason})
+                                "finish_reason": reason,
+                                "token_ids": list(c.token_ids) if self.return_ids else None})
             if choices:
                 yield sse(self._chunk(choices, include_usage))
         if include_usage:

@@ -156,6 +156,7 @@ class _Builder:
         self.id = request_id
         self.created = created
         self.num_logprobs = req.logprobs
+        self.return_ids = bool(req.return_token_ids)
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
@@ -213,10 +214,15 @@ class _Builder:
                 if self.num_logprobs is not None:
                     start = 0 if self.echo else len(prompt.text)
                     logprobs, _ = self._choice_logprobs(out, c, prompt, True, start)
+                # vLLM's extensions are always there, null unless asked for (prompt_logprobs always:
+                # its request field is not supported)
                 choices.append({"index": i * self.n + c.index,
                                 "text": (prompt.text if self.echo else "") + c.text,
                                 "logprobs": logprobs,
-                                "finish_reason": finish_reason(c.finish_reason)})
+                                "finish_reason": finish_reason(c.finish_reason),
+                                "prompt_logprobs": None,
+                                "prompt_token_ids": list(out.prompt_token_ids) if self.return_ids else None,
+                                "token_ids": list(c.token_ids) if self.return_ids else None})
         body = self._envelope(sorted(choices, key=lambda c: c["index"]))
         body["usage"] = usage(num_prompt, num_generated, num_cached)
         return body
@@ -242,6 +248,7 @@ class _Builder:
         started: set[int] = set()
         finished: set[int] = set()
         offsets: dict[int, int] = {}  # choice index -> text offset of its next token (logprobs)
+        ids_sent: set[int] = set()  # choices whose prompt_token_ids went out (in their first chunk)
         num_prompt = num_generated = 0
         async for i, out in merge(gens):
             prompt = self.prompts[i]
@@ -267,9 +274,15 @@ class _Builder:
                 reason = finish_reason(c.finish_reason)
                 if reason is not None:
                     finished.add(index)
-                if not text and reason is None and logprobs is None:
-                    continue  # e.g. a token that ends inside a multi-byte character: nothing to say yet
-                choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason})
+                if not text and not c.token_ids and reason is None and logprobs is None:
+                    continue  # nothing new (a chunk of tokens that decode to no text still goes out)
+                prompt_ids = None
+                if self.return_ids and index not in ids_sent:
+                    ids_sent.add(index)
+                    prompt_ids = list(out.prompt_token_ids)
+                choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
+                                "prompt_token_ids": prompt_ids,
+                                "token_ids": list(c.token_ids) if self.return_ids else None})
             if choices:
                 yield sse(self._envelope(choices))
         if include_usage:

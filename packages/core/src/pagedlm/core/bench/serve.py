@@ -1,12 +1,15 @@
 """``pagedlm bench serve``: an async load generator for an OpenAI-compatible ``/v1/completions``.
 
-Requests stream (``stream: true`` with ``stream_options.include_usage``) and are sent at a Poisson
-``--request-rate`` (requests/s; default: all at once) and/or capped at ``--max-concurrency`` in flight.
-Per request: TTFT (time to the first chunk with text), ITL (gaps between text chunks), TPOT
-((latency - TTFT) / (output tokens - 1), tokens from the usage chunk) and end-to-end latency;
-reported as mean / p50 / p90 / p99 in ms. Goodput counts the requests per second that succeeded
-within every ``--goodput`` bound. Errors (HTTP status, error payloads, broken streams) are counted
-and a few are shown.
+Requests stream (``stream: true`` with ``stream_options.include_usage``, ``return_token_ids: true``,
+``ignore_eos: true``) and are sent at a Poisson ``--request-rate`` (requests/s; default: all at once)
+and/or capped at ``--max-concurrency`` in flight. Tokens are counted per chunk from its
+``token_ids`` (one per chunk with text from a server that does not send them), so a server with
+dummy weights or without a tokenizer, which streams no text, is timed too. Per request: TTFT (time
+to the first chunk with a token), ITL (per token: a chunk's gap to the previous one, divided among
+its tokens), TPOT ((latency - TTFT) / (output tokens - 1)) and end-to-end latency (E2EL); reported
+in ms as mean / median / std / p99 (``--metric-percentiles``), as vLLM's ``bench serve`` does.
+Goodput counts the requests per second that succeeded within every ``--goodput`` bound. Errors
+(HTTP status, error payloads, broken streams) are counted and a few are shown.
 
 Bounded: ``--num-prompts`` requests at most, nothing new after ``--max-duration`` seconds (requests
 still running then are cancelled and counted), ``--request-timeout`` per request. Loopback only:
@@ -59,6 +62,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 e2e:10000 (milliseconds)")
     p.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
                    help="send prompts as token-id lists (exact lengths) or as text of that many words")
+    p.add_argument("--metric-percentiles", default="99", metavar="P,P,...",
+                   help="percentiles reported beside mean, median and std (as vLLM's bench serve; "
+                        "default 99); the full distributions carry p50/p90/p99 as well")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="highest token id + 1 for id prompts (default: from --model/--model-config, else 10001)")
     add_workload_options(p)
@@ -97,12 +103,25 @@ def parse_goodput(items: list[str]) -> dict[str, float]:
     return slos
 
 
+def parse_percentiles(text: str | list[float]) -> list[float]:
+    if isinstance(text, list):
+        return text
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise ValueError(f"--metric-percentiles {text!r}: give numbers separated by commas, e.g. 50,90,99") from e
+    if not values or not all(0 <= v <= 100 for v in values):
+        raise ValueError(f"--metric-percentiles {text!r}: each must be in [0, 100]")
+    return values
+
+
 def run(args: argparse.Namespace) -> int:
     if args.request_rate <= 0:
         raise ValueError(f"--request-rate must be > 0 (got {args.request_rate})")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1 (got {args.max_concurrency})")
     slos = parse_goodput(args.goodput)
+    args.metric_percentiles = parse_percentiles(args.metric_percentiles)
     setup = common.EngineSetup(args) if (args.launch or args.model or args.model_config) else None
     proc = None
     try:
@@ -230,8 +249,10 @@ async def _bench(args: argparse.Namespace, workload: Any, base_url: str, slos: d
             if time.perf_counter() >= deadline:
                 break
             prompt: Any = ids if args.prompt_format == "ids" else " ".join(rng.choice(_WORDS) for _ in ids)
+            # NOTE: ignore_eos + max_tokens: every request generates exactly its output length
             payload = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": workload.temperature,
-                       "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+                       "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+                       "return_token_ids": True}
             tasks.append(asyncio.create_task(_request(session, url, payload, len(ids), sem, in_flight)))
         done, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter())) if tasks else \
             (set(), set())
@@ -266,7 +287,8 @@ async def _request(session: Any, url: str, payload: dict[str, Any], prompt_len: 
 
 async def _stream(session: Any, url: str, payload: dict[str, Any], prompt_len: int) -> dict[str, Any]:
     rec: dict[str, Any] = {"ok": False, "error": None, "prompt_tokens": prompt_len, "output_tokens": 0,
-                           "ttft": None, "latency": None, "itl": [], "chunks": 0}
+                           "expected_output_tokens": int(payload["max_tokens"]), "streamed_tokens": 0,
+                           "counted_by": None, "ttft": None, "latency": None, "itl": [], "chunks": 0}
     start = time.perf_counter()
     last = start
     usage = None
@@ -276,6 +298,7 @@ async def _stream(session: Any, url: str, payload: dict[str, Any], prompt_len: i
                 rec["error"] = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return rec
             async for raw in resp.content:
+                now = time.perf_counter()
                 line = raw.decode("utf-8", errors="replace").strip()
                 if not line.startswith("data:"):
                     continue  # blank separators, SSE comments, event names
@@ -289,14 +312,22 @@ async def _stream(session: Any, url: str, payload: dict[str, Any], prompt_len: i
                 usage = chunk.get("usage") or usage
                 choices = chunk.get("choices") or []
                 rec["answered"] = rec.get("answered", False) or bool(choices)
-                if choices and choices[0].get("text"):
-                    now = time.perf_counter()
-                    if rec["ttft"] is None:
-                        rec["ttft"] = now - start
-                    else:
-                        rec["itl"].append(now - last)
-                    last = now
-                    rec["chunks"] += 1
+                if not choices:
+                    continue
+                k = _chunk_tokens(choices[0], rec)
+                if not k:
+                    continue
+                if rec["ttft"] is None:
+                    rec["ttft"] = now - start
+                    # tokens that arrive with the first one follow it without any wait
+                    rec["itl"].extend([0.0] * (k - 1))
+                else:
+                    # NOTE: a chunk of k tokens (--stream-interval, a lagging server) is k inter-token
+                    # latencies of gap / k each, so ITL stays per token and sums to latency - TTFT
+                    rec["itl"].extend([(now - last) / k] * k)
+                last = now
+                rec["chunks"] += 1
+                rec["streamed_tokens"] += k
     except asyncio.TimeoutError:
         rec["error"] = "timed out (--request-timeout)"
         return rec
@@ -306,16 +337,28 @@ async def _stream(session: Any, url: str, payload: dict[str, Any], prompt_len: i
     rec["latency"] = time.perf_counter() - start
     if usage:
         rec["prompt_tokens"] = int(usage.get("prompt_tokens", prompt_len))
-        rec["output_tokens"] = int(usage.get("completion_tokens", rec["chunks"]))
+        rec["output_tokens"] = int(usage.get("completion_tokens", rec["streamed_tokens"]))
     else:
-        rec["output_tokens"] = rec["chunks"]
+        rec["output_tokens"] = rec["streamed_tokens"]
     if rec["ttft"] is None and not rec.get("answered") and not usage:
         rec["error"] = "the stream ended without any output"
         return rec
-    # NOTE: a server without a tokenizer (e.g. --model-config, dummy weights) streams no text, only
-    # a final chunk: such a request counts for latency and throughput, but has no TTFT or ITL.
+    # NOTE: a server that sends no token ids and streams no text (no tokenizer) still counts for
+    # latency and throughput, but has no TTFT or ITL.
     rec["ok"] = True
     return rec
+
+
+def _chunk_tokens(choice: dict[str, Any], rec: dict[str, Any]) -> int:
+    """Tokens one streamed choice carries: its ``token_ids``, else one if it has text."""
+    ids = choice.get("token_ids")
+    if isinstance(ids, list):
+        rec["counted_by"] = "token_ids"
+        return len(ids)
+    if choice.get("text"):  # a server without return_token_ids: one token per chunk with text
+        rec["counted_by"] = rec["counted_by"] or "text"
+        return 1
+    return 0
 
 
 def _summarize(args: argparse.Namespace, workload: Any, model: str, base_url: str, records: list[dict[str, Any]],
@@ -325,15 +368,19 @@ def _summarize(args: argparse.Namespace, workload: Any, model: str, base_url: st
     errors = [r["error"] for r in records if not r["ok"]]
     timed = [r for r in ok if r["ttft"] is not None]
     tpots = [(r["latency"] - r["ttft"]) / (r["output_tokens"] - 1) for r in timed if r["output_tokens"] > 1]
+    itls = [x for r in timed for x in r["itl"]]
     num_out = sum(r["output_tokens"] for r in ok)
     num_in = sum(r["prompt_tokens"] for r in ok)
 
     def good(r: dict[str, Any]) -> bool:
-        ttft = r["ttft"] if r["ttft"] is not None else r["latency"]  # no text stream: the answer is the first token
+        ttft = r["ttft"] if r["ttft"] is not None else r["latency"]  # nothing streamed: the answer is the first token
         tpot = (r["latency"] - ttft) / (r["output_tokens"] - 1) if r["output_tokens"] > 1 else 0.0
         values = {"ttft": ttft * 1000, "tpot": tpot * 1000, "e2e": r["latency"] * 1000}
         return all(values[k] <= v for k, v in slos.items())
 
+    counted_by = {"token_ids": 0, "text": 0, "none": 0}
+    for r in ok:
+        counted_by[r["counted_by"] or "none"] += 1
     result: dict[str, Any] = {
         "benchmark": "serve",
         "base_url": base_url,
@@ -347,21 +394,37 @@ def _summarize(args: argparse.Namespace, workload: Any, model: str, base_url: st
         "num_requests": workload.num_requests,
         "num_sent": num_sent,
         "completed": len(ok),
-        "completed_without_text": len(ok) - len(timed),
+        "completed_without_tokens": len(ok) - len(timed),
         "errors": len(errors),
         "cancelled": num_cancelled,
         "not_sent": workload.num_requests - num_sent,
         "error_samples": sorted(set(errors))[:5],
+        # how streamed tokens were counted, per completed request: from token_ids, one per chunk
+        # with text (a server without return_token_ids), or not at all (neither was streamed)
+        "tokens_counted_by": counted_by,
+        # completed requests whose output (usage) differs from the max_tokens they asked for, and
+        # those whose streamed token ids do not add up to it
+        "output_len_mismatches": sum(1 for r in ok if r["output_tokens"] != r["expected_output_tokens"]),
+        "streamed_token_mismatches": sum(1 for r in ok if r["counted_by"] == "token_ids"
+                                         and r["streamed_tokens"] != r["output_tokens"]),
         "total_input_tokens": num_in,
         "total_output_tokens": num_out,
+        # chunks that carried tokens, and tokens per such chunk (> 1 with --stream-interval or a lagging server)
+        "streamed_chunks": sum(r["chunks"] for r in ok),
+        "tokens_per_chunk": (sum(r["streamed_tokens"] for r in ok) / max(1, sum(r["chunks"] for r in ok))),
         "request_throughput": len(ok) / duration if duration else 0.0,
         "output_throughput": num_out / duration if duration else 0.0,
         "total_token_throughput": (num_in + num_out) / duration if duration else 0.0,
         "ttft_ms": common.distribution([r["ttft"] for r in timed], 1000.0),
         "tpot_ms": common.distribution(tpots, 1000.0),
-        "itl_ms": common.distribution([x for r in timed for x in r["itl"]], 1000.0),
+        "itl_ms": common.distribution(itls, 1000.0),
         "e2e_latency_ms": common.distribution([r["latency"] for r in ok], 1000.0),
+        "metric_percentiles": list(args.metric_percentiles),
     }
+    # vLLM's bench serve names: mean_ttft_ms, median_ttft_ms, std_ttft_ms, p99_ttft_ms, ... e2el
+    for name, values in (("ttft", [r["ttft"] for r in timed]), ("tpot", tpots), ("itl", itls),
+                         ("e2el", [r["latency"] for r in ok])):
+        result.update(vllm_style(name, values, args.metric_percentiles))
     if slos:
         num_good = sum(1 for r in ok if good(r))
         result["goodput"] = {"slo_ms": slos, "good_requests": num_good,
@@ -369,11 +432,31 @@ def _summarize(args: argparse.Namespace, workload: Any, model: str, base_url: st
     return result
 
 
+def _pct_label(q: float) -> str:
+    return f"p{int(q)}" if float(q).is_integer() else f"p{q:g}"
+
+
+def vllm_style(name: str, values: list[float], percentiles: list[float]) -> dict[str, float | None]:
+    """``mean_NAME_ms``, ``median_NAME_ms``, ``std_NAME_ms`` (population) and ``pQ_NAME_ms`` of
+    ``values`` (seconds), as vLLM's bench serve reports them; None where there are no values."""
+    ms = [v * 1000.0 for v in values]
+    out: dict[str, float | None] = {}
+    mean = sum(ms) / len(ms) if ms else None
+    out[f"mean_{name}_ms"] = mean
+    out[f"median_{name}_ms"] = common.percentile(ms, 50) if ms else None
+    out[f"std_{name}_ms"] = math.sqrt(sum((v - mean) ** 2 for v in ms) / len(ms)) if mean is not None else None
+    for q in percentiles:
+        out[f"{_pct_label(q)}_{name}_ms"] = common.percentile(ms, q) if ms else None
+    return out
+
+
 def _print(r: dict[str, Any]) -> None:
-    def pct(d: dict[str, Any]) -> str:
-        if not d.get("count"):
+    def pct(name: str) -> str:
+        if r[f"mean_{name}_ms"] is None:
             return "n/a"
-        return f"mean {d['mean']:.2f}  p50 {d['p50']:.2f}  p90 {d['p90']:.2f}  p99 {d['p99']:.2f}"
+        parts = [f"mean {r[f'mean_{name}_ms']:.2f}", f"median {r[f'median_{name}_ms']:.2f}"]
+        parts += [f"{_pct_label(q)} {r[f'{_pct_label(q)}_{name}_ms']:.2f}" for q in r["metric_percentiles"]]
+        return "  ".join(parts + [f"std {r[f'std_{name}_ms']:.2f}"])
 
     w = r["workload"]
     rows = [
@@ -383,17 +466,27 @@ def _print(r: dict[str, Any]) -> None:
         ("completed / errors", f"{r['completed']} / {r['errors']} (cancelled {r['cancelled']}, "
                                f"not sent {r['not_sent']})"),
         ("duration (s)", r["duration_s"]),
+        ("input / output tokens", f"{r['total_input_tokens']:,} / {r['total_output_tokens']:,} "
+                                  f"({r['tokens_per_chunk']:.2f} tokens per streamed chunk)"),
         ("requests/s", r["request_throughput"]),
         ("output tokens/s", r["output_throughput"]),
         ("total tokens/s", r["total_token_throughput"]),
-        ("TTFT (ms)", pct(r["ttft_ms"])),
-        ("TPOT (ms)", pct(r["tpot_ms"])),
-        ("ITL (ms)", pct(r["itl_ms"])),
-        ("E2E latency (ms)", pct(r["e2e_latency_ms"])),
+        ("TTFT (ms)", pct("ttft")),
+        ("TPOT (ms)", pct("tpot")),
+        ("ITL (ms)", pct("itl")),
+        ("E2EL (ms)", pct("e2el")),
     ]
-    if r["completed_without_text"]:
-        rows.append(("note", f"{r['completed_without_text']} responses streamed no text (a server without a "
-                             "tokenizer?): they have no TTFT/TPOT/ITL"))
+    counted = r["tokens_counted_by"]
+    if counted["text"]:
+        rows.append(("note", f"{counted['text']} responses had no token_ids (a server without return_token_ids?): "
+                             "their tokens were counted as one per chunk with text"))
+    if r["completed_without_tokens"]:
+        rows.append(("note", f"{r['completed_without_tokens']} responses streamed neither token ids nor text: "
+                             "they have no TTFT/TPOT/ITL"))
+    if r["output_len_mismatches"] or r["streamed_token_mismatches"]:
+        rows.append(("warning", f"{r['output_len_mismatches']} responses did not generate the requested output "
+                                f"length; {r['streamed_token_mismatches']} streamed token ids that do not add up to "
+                                "their usage"))
     if "goodput" in r:
         g = r["goodput"]
         rows.append(("goodput", f"{g['requests_per_s']:.2f} req/s ({g['good_requests']} within {g['slo_ms']})"))
