@@ -77,8 +77,8 @@ OP_CONTRACTS: Mapping[str, str] = MappingProxyType({
     "int8_scaled_mm": (
         "fn(x [T, K], weight [N, K] int8, weight_scale [N] float32, input_scale [1] float32 | None, bias [N] | "
         "None) -> [T, N] in x's dtype: x quantized to int8 (round half to even, clamp [-128, 127]) with "
-        "input_scale, or per token with scale amax(|x_t|) / 127 when None; exact int32 accumulation of x_q @ "
-        "weight^T, times x_scale * weight_scale in float32, plus bias."
+        "input_scale, or per token with scale amax(|x_t|) / 127.5 when None (compressed-tensors' convention); "
+        "exact int32 accumulation of x_q @ weight^T, times x_scale * weight_scale in float32, plus bias."
     ),
 })
 

@@ -27,7 +27,12 @@ from pagedlm.core.layers.quantization.base_config import (
     matches_module_name,
     shard_names,
 )
-from pagedlm.core.layers.quantization.schemes import W8A8LinearMethod, WNA16LinearMethod, new_param
+from pagedlm.core.layers.quantization.schemes import (
+    W8A8LinearMethod,
+    WNA16LinearMethod,
+    new_param,
+    same_for_every_shard,
+)
 from pagedlm.core.layers.quantization.utils import unpack_cols, unpack_rows
 
 __all__ = ["CompressedTensorsConfig", "CompressedTensorsWNA16"]
@@ -59,8 +64,9 @@ class CompressedTensorsWNA16(WNA16LinearMethod):
             new_param(layer, "weight_zero_point", (n // pack, groups), torch.int32, output_dim=0, input_dim=scale_in,
                       packed_dim=0, packed_factor=pack, **extra_weight_attrs)
         if self.act_order:
-            new_param(layer, "weight_g_idx", (k,), torch.int32, input_dim=0,
-                      dummy_init=_g_idx_init(self.group_size), **extra_weight_attrs)
+            g_idx = new_param(layer, "weight_g_idx", (k,), torch.int32, input_dim=0,
+                              dummy_init=_g_idx_init(self.group_size), **extra_weight_attrs)
+            same_for_every_shard(g_idx, f"{layer.prefix}.weight_g_idx")
 
     def _unpack_checkpoint(self, layer: nn.Module):
         n, k = layer.weight_packed.shape[0], layer.input_size_per_partition

@@ -16,7 +16,7 @@ from torch import nn
 
 from pagedlm.core.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from pagedlm.core.layers.quantization.compressed_tensors import _g_idx_init
-from pagedlm.core.layers.quantization.schemes import WNA16LinearMethod, new_param
+from pagedlm.core.layers.quantization.schemes import WNA16LinearMethod, new_param, same_for_every_shard
 from pagedlm.core.layers.quantization.utils import unpack_cols, unpack_rows
 
 __all__ = ["GPTQConfig", "GPTQLinearMethod"]
@@ -48,8 +48,10 @@ class GPTQLinearMethod(WNA16LinearMethod):
                   packed_factor=pack, **extra_weight_attrs)
         new_param(layer, "scales", (groups, n), params_dtype, input_dim=group_in, output_dim=1, **extra_weight_attrs)
         group = self.group_size if self.group_size != -1 else input_size
-        new_param(layer, "g_idx", (k,), torch.int32, input_dim=0, dummy_init=_g_idx_init(group),
-                  **extra_weight_attrs)
+        g_idx = new_param(layer, "g_idx", (k,), torch.int32, input_dim=0, dummy_init=_g_idx_init(group),
+                          **extra_weight_attrs)
+        if self.act_order:
+            same_for_every_shard(g_idx, f"{layer.prefix}.g_idx")
 
     def _unpack_checkpoint(self, layer: nn.Module):
         n, k = layer.scales.shape[1], layer.input_size_per_partition

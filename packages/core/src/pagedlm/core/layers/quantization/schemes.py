@@ -27,7 +27,7 @@ from pagedlm.core.layers.quantization.utils import (
     wna16_gemm_ref,
 )
 
-__all__ = ["W8A8LinearMethod", "WNA16LinearMethod", "new_param", "replace_params"]
+__all__ = ["W8A8LinearMethod", "WNA16LinearMethod", "new_param", "replace_params", "same_for_every_shard"]
 
 WNA16_BITS = (4, 8)
 
@@ -51,6 +51,22 @@ def replace_params(layer: nn.Module, drop: list[str], new: dict[str, torch.Tenso
             setattr(layer, name, None)
         else:
             layer.register_parameter(name, nn.Parameter(tensor.contiguous(), requires_grad=False))
+
+
+def same_for_every_shard(param: torch.Tensor, what: str) -> None:
+    """Give ``param`` (an input-side tensor of a fused layer, e.g. act-order ``g_idx``) a loader that
+    refuses stacked checkpoint tensors that disagree (q/k/v share their input, so they must agree)."""
+    seen = {"n": 0}
+
+    def load_shard(dst: torch.Tensor, src: torch.Tensor, full: torch.Tensor, offset: int, size: int) -> None:
+        src = src.to(dst.device, dst.dtype)
+        if seen["n"] and not torch.equal(dst, src):
+            raise ValueError(f"{what}: the checkpoint tensors fused into this layer have different values; "
+                             "pagedlm needs one for the fused layer")
+        dst.copy_(src)
+        seen["n"] += 1
+
+    param.load_shard = load_shard  # type: ignore[attr-defined]
 
 
 def _dummy_positive(param: torch.Tensor, gen: torch.Generator) -> None:

@@ -34,7 +34,9 @@ __all__ = [
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-INT8_MAX = 127.0
+#: dynamic int8 activation scale = amax / 127.5: compressed-tensors' convention (the 255 steps of
+#: [-128, 127] span [-amax, amax]), which defines the numerics its W8A8 checkpoints were made for
+INT8_SCALE_DIVISOR = 127.5
 #: AWQ's GEMM layout stores the 8 nibbles of a word in this column order: field i holds column
 #: ``AWQ_PACK_ORDER[i]`` of its group of 8
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -124,10 +126,10 @@ def fp8_scaled_mm_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
 
 
 def quantize_int8_per_token(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [T, K]`` -> ``(x_q int8, scale [T, 1] or the static one)``, ``scale = amax / 127``."""
+    """``x [T, K]`` -> ``(x_q int8, scale [T, 1] or the static one)``, ``scale = amax / 127.5``."""
     xf = x.float()
     if scale is None:
-        scale = (xf.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp(min=1e-12)
+        scale = (xf.abs().amax(dim=-1, keepdim=True) / INT8_SCALE_DIVISOR).clamp(min=1e-12)
     return torch.round(xf / scale).clamp(-128, 127).to(torch.int8), scale.float()
 
 
