@@ -192,3 +192,17 @@ def test_fp8_kv_cache_refused_by_a_backend_that_cannot_read_it(tmp_path, monkeyp
     d = make_dummy_config_dir(tmp_path / "plain", "llama")
     with pytest.raises(ValueError, match="cannot read an FP8 KV cache"):
         LLM(model=d, load_format="dummy", skip_tokenizer_init=True, device="cpu", kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("method", ["compressed-tensors", "gptq", "awq", "fp8"])
+def test_dummy_load_of_a_method_named_on_the_command_line(tmp_path, method):
+    """``--load-format dummy --quantization NAME`` on a config without quantization_config: the
+    method's dummy layout (compressed-tensors: W4A16 group 128), as `pagedlm bench` uses it."""
+    d = make_dummy_config_dir(tmp_path / "plain", "llama", hidden_size=256, intermediate_size=512)
+    llm = LLM(model=d, load_format="dummy", skip_tokenizer_init=True, device="cpu", dtype="float32",
+              quantization=method)
+    qkv = llm.llm_engine.core.executor.worker.model_runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.quant_method.quantized
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2

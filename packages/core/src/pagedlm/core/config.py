@@ -411,7 +411,7 @@ class VllmConfig(_Freezable):
         if self.quant_config is None and (mc.quantization is not None or mc.hf_config is not None):
             from pagedlm.core.layers.quantization import get_quant_config
 
-            self.quant_config = get_quant_config(mc)
+            self.quant_config = get_quant_config(mc, dummy=self.load_config.load_format == "dummy")
 
     def finalize(self) -> None:
         """Resolve platform-dependent fields, let the platform and plugins check them, then freeze.

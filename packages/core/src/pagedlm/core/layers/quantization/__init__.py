@@ -89,10 +89,14 @@ def hf_quant_config(hf_config: Any, model_dir: str | None = None,
     return None
 
 
-def get_quant_config(model_config: ModelConfig) -> QuantizationConfig | None:
+def get_quant_config(model_config: ModelConfig, *, dummy: bool = False) -> QuantizationConfig | None:
     """The model's quantization config (module docstring), or None. Raises ``ValueError`` for an
     unknown method, a disagreement between ``quantization=`` and the checkpoint, or a checkpoint
-    config the method cannot read (naming what it supports)."""
+    config the method cannot read (naming what it supports).
+
+    ``dummy`` (``load_format="dummy"``): a method named by the user on a config without
+    ``quantization_config`` takes the method's ``get_dummy_config()`` (e.g. compressed-tensors
+    W4A16, group 128), so published shapes can be benchmarked in a quantized layout without files."""
     user = normalize_method_name(model_config.quantization) if model_config.quantization else None
     hf_config = model_config.hf_config
     ckpt = hf_quant_config(hf_config, model_config.model if not model_config.is_gguf else None) \
@@ -116,4 +120,6 @@ def get_quant_config(model_config: ModelConfig) -> QuantizationConfig | None:
     name = user or ckpt_method
     assert name is not None
     cls = get_quantization_config_cls(name)
+    if ckpt is None and dummy:
+        ckpt = cls.get_dummy_config() or None
     return cls.from_config(ckpt or {})

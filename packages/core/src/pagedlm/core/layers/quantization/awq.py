@@ -90,6 +90,10 @@ class AWQConfig(QuantizationConfig):
             modules_to_not_convert=cls.get_from_keys_or(config, ["modules_to_not_convert"], None),
         )
 
+    @classmethod
+    def get_dummy_config(cls) -> dict[str, Any]:
+        return {"quant_method": "awq", "w_bit": 4, "q_group_size": 128, "zero_point": True, "version": "gemm"}
+
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         # vLLM's rule: a module is skipped when any listed name is a substring of its path
         if any(name in prefix for name in self.modules_to_not_convert):

@@ -147,6 +147,12 @@ class QuantizationConfig(ABC):
         """Claim a checkpoint whose ``quant_method`` names another method (None: no claim)."""
         return None
 
+    @classmethod
+    def get_dummy_config(cls) -> dict[str, Any]:
+        """The ``quantization_config`` to assume for ``load_format="dummy"`` when the checkpoint has
+        none (benchmarks of published shapes with random weights of this method's layout)."""
+        return {}
+
     @abstractmethod
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """The method of the layer at module path ``prefix``; None leaves it unquantized."""

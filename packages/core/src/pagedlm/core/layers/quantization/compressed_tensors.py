@@ -144,6 +144,13 @@ class CompressedTensorsConfig(QuantizationConfig):
         return cls(dict(groups), list(config.get("ignore") or []), config.get("format"),
                    config.get("kv_cache_scheme"))
 
+    @classmethod
+    def get_dummy_config(cls) -> dict[str, Any]:
+        """W4A16: symmetric int4 weights in groups of 128 (what llm-compressor's W4A16 preset writes)."""
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                    "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}}}}
+
     # -- parsing and checking --------------------------------------------------------------------
     def _format(self, group: dict[str, Any]) -> str:
         return str(group.get("format") or self.global_format or "dense")

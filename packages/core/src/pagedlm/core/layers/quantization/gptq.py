@@ -108,6 +108,10 @@ class GPTQConfig(QuantizationConfig):
             checkpoint_format=str(cls.get_from_keys_or(config, ["checkpoint_format"], "gptq") or "gptq"),
         )
 
+    @classmethod
+    def get_dummy_config(cls) -> dict[str, Any]:
+        return {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         return GPTQLinearMethod(self)
 
