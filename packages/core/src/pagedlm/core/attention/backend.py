@@ -95,6 +95,12 @@ class AttentionImpl(ABC, Generic[M]):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
 
+    #: the KV cache's ``kv_cache_dtype`` and, for ``"fp8"``, the layer's per-tensor scales
+    #: (``[1]`` float32; stored value = value / scale), set by the ``Attention`` layer after construction
+    kv_cache_dtype: str = "auto"
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
     @abstractmethod
     def forward(
         self,
@@ -127,6 +133,8 @@ class AttentionBackend(ABC):
     supported_devices: ClassVar[tuple[str, ...] | None] = None
     #: KV-cache block sizes must be a multiple of this (a kernel's page size)
     block_size_multiple: ClassVar[int] = 1
+    #: ``kv_cache_dtype`` values this backend reads and writes (``"auto"``: the model dtype)
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
     #: whether a step's launches may be captured in a device graph and replayed (no host syncs,
     #: fixed buffers)
     supports_graphs: ClassVar[bool] = False

@@ -8,12 +8,29 @@ from torch import nn
 from pagedlm.core.forward_context import get_build_context, get_forward_context
 
 
+def _kv_scale_param() -> nn.Parameter:
+    param = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
+
+    def load(p: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        p.data.copy_(loaded.reshape(-1)[:1].to(torch.float32))  # a scalar or a one-element tensor
+
+    def dummy(p: torch.Tensor, gen: torch.Generator) -> None:
+        p.data.fill_(1.0)
+
+    param.weight_loader = load  # type: ignore[attr-defined]
+    param.optional_in_checkpoint = True  # type: ignore[attr-defined]
+    param.dummy_init = dummy  # type: ignore[attr-defined]
+    return param
+
+
 class Attention(nn.Module):
     """Paged attention over this layer's slice of the KV cache.
 
     Built inside ``set_current_vllm_config`` (the model runner does this), it registers itself
     under ``prefix`` so the runner can bind its cache tensor (``self.kv_cache``) after
-    allocation. ``forward`` takes flat ``[T, num_heads * head_size]`` q and
+    allocation. With ``kv_cache_dtype="fp8"`` it holds ``k_scale`` / ``v_scale`` (``[1]`` float32)
+    and hands them to the backend's impl (``impl.k_scale``, ``impl.kv_cache_dtype``).
+    ``forward`` takes flat ``[T, num_heads * head_size]`` q and
     ``[T, num_kv_heads * head_size]`` k/v and returns ``[T, num_heads * head_size]``.
     """
 
@@ -44,6 +61,14 @@ class Attention(nn.Module):
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
         )
+        self.kv_cache_dtype = ctx.vllm_config.cache_config.cache_dtype
+        if self.kv_cache_dtype != "auto":
+            # Per-tensor scales of the FP8 cache (stored = value / scale): the checkpoint's when it has
+            # them (``self_attn.k_scale``, compressed-tensors' ``k_proj.output_scale``), else 1.0.
+            self.k_scale = _kv_scale_param()
+            self.v_scale = _kv_scale_param()
+            self.impl.kv_cache_dtype = self.kv_cache_dtype
+            self.impl.k_scale, self.impl.v_scale = self.k_scale, self.v_scale
         #: bound by the model runner once the KV cache is allocated
         self.kv_cache: torch.Tensor = torch.empty(0)
         #: the KV-cache group whose block table this layer reads (set by the model runner)

@@ -142,7 +142,21 @@ def engine_summary(llm: Any, setup: EngineSetup) -> dict[str, Any]:
         "data_parallel_size": cfg.parallel_config.data_parallel_size,
         "attention_backend": cfg.attention_backend,
         "enforce_eager": cfg.enforce_eager,
+        "quantization": cfg.quant_config.describe() if cfg.quant_config is not None else None,
+        "kv_cache_dtype": cc.cache_dtype,
+        "weight_memory_gib": _weight_memory_gib(llm),
     }
+
+
+def _weight_memory_gib(llm: Any) -> float | None:
+    """GiB the model's weights take on rank 0, when the engine runs in this process (else None:
+    the start-up log of each worker says it)."""
+    try:
+        model = llm.llm_engine.core.executor.worker.model_runner.model
+    except AttributeError:
+        return None
+    size = getattr(model, "weight_memory_bytes", None)
+    return None if size is None else round(size / 2**30, 4)
 
 
 def warm_up(llm: Any, vocab_size: int) -> None:

@@ -51,6 +51,9 @@ _HELP = {
     "hf_overrides": "JSON object of HF config fields to override (nested objects update sub-configs)",
     "disable_log_stats": "collect no request statistics (LLM.get_metrics needs them; LLM() defaults to off)",
     "tokenizer_mode": "vLLM's option: 'auto' or 'hf' (both the fast HF tokenizer; other modes are refused)",
+    "quantization": "quantization method: fp8 (quantizes a bf16/fp16 checkpoint as it loads), "
+    "compressed-tensors, gptq, awq, or a plugin's; default: the checkpoint's quantization_config",
+    "kv_cache_dtype": "auto (the model dtype) or fp8 (float8_e4m3 with per-layer scales)",
     "config_format": "vLLM's option: 'auto' or 'hf' (config.json, or a GGUF file's metadata)",
 }
 
@@ -89,6 +92,8 @@ class EngineArgs:
     hf_overrides: dict[str, Any] | None = None
     tokenizer_mode: str = "auto"
     config_format: str = "auto"
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     additional_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -111,6 +116,7 @@ class EngineArgs:
                 trust_remote_code=self.trust_remote_code,
                 served_model_name=self.served_model_name,
                 hf_overrides=self.hf_overrides,
+                quantization=self.quantization,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -118,6 +124,7 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                cache_dtype=self.kv_cache_dtype,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,

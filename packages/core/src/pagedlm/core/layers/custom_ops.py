@@ -60,6 +60,26 @@ OP_CONTRACTS: Mapping[str, str] = MappingProxyType({
         "offset) alone (equal ints, equal draws; no host sync); rows with temperature below 1e-5 "
         "get the argmax (lowest index wins ties, as torch.argmax). logits are not modified."
     ),
+    # Quantized GEMMs (pagedlm.core.layers.quantization; references in its utils module).
+    "wna16_gemm": (
+        "fn(x [T, K] float16/bfloat16/float32, qweight [K // (32 // bits), N] int32, scales [K // G, N] "
+        "(x's dtype), zeros [K // G, N] int32 | None, g_idx [K] int32 | None, bits: 4 | 8, group_size G) -> "
+        "[T, N] in x's dtype: x @ W with W[k, n] = (q[k, n] - z[g(k), n]) * s[g(k), n], q[k, n] the unsigned "
+        "bits-wide field at bit bits * (k % (32 // bits)) of qweight[k // (32 // bits), n], z = 2 ** (bits - 1) "
+        "when zeros is None, g(k) = g_idx[k] when given, else k // G. Accumulates in float32."
+    ),
+    "fp8_scaled_mm": (
+        "fn(x [T, K] float16/bfloat16/float32, weight [N, K] float8_e4m3fn, weight_scale [N] float32, "
+        "input_scale [1] float32 | None, bias [N] | None) -> [T, N] in x's dtype: x quantized to float8_e4m3fn "
+        "with input_scale, or per token with scale amax(|x_t|) / 448 when None (values divided by the scale, "
+        "clamped to +-448), then (x_q @ weight^T) * x_scale * weight_scale in float32, plus bias."
+    ),
+    "int8_scaled_mm": (
+        "fn(x [T, K], weight [N, K] int8, weight_scale [N] float32, input_scale [1] float32 | None, bias [N] | "
+        "None) -> [T, N] in x's dtype: x quantized to int8 (round half to even, clamp [-128, 127]) with "
+        "input_scale, or per token with scale amax(|x_t|) / 127.5 when None (compressed-tensors' convention); "
+        "exact int32 accumulation of x_q @ weight^T, times x_scale * weight_scale in float32, plus bias."
+    ),
 })
 
 _NO_OPS: Mapping[str, LayerOp] = MappingProxyType({})

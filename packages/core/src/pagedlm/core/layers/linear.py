@@ -13,6 +13,11 @@ Weights follow ``torch.nn.Linear``'s layout, ``[output_size, input_size]``. With
 Every parameter has ``param.weight_loader(param, loaded_weight, shard_id=None)`` taking the
 full checkpoint tensor (or, for merged layers, one of the stacked tensors named by
 ``shard_id``) and copying this rank's slice into place.
+
+Quantization: a layer built with ``quant_config`` asks it for its quantize method by ``prefix``
+(the module path, e.g. ``model.layers.0.mlp.gate_up_proj``); the method creates the parameters
+as the checkpoint stores them (with their TP sharding described by parameter attributes, see
+:class:`LinearBase`) and computes the forward (``quant_method.apply``).
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedlm.core.distributed import (
@@ -29,10 +33,12 @@ from pagedlm.core.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from pagedlm.core.model_loader.weight_utils import (
-    default_weight_loader,
-    set_weight_attrs,
+from pagedlm.core.layers.quantization.base_config import (
+    QuantizationConfig,
+    QuantizeMethodBase,
+    UnquantizedLinearMethod,
 )
+from pagedlm.core.model_loader.weight_utils import set_weight_attrs
 
 __all__ = [
     "ColumnParallelLinear",
@@ -74,10 +80,9 @@ def divide(numerator: int, denominator: int, what: str = "size") -> int:
     return numerator // denominator
 
 
-def _rows(t: torch.Tensor, start: int, size: int) -> torch.Tensor:
-    # Plain slicing (not narrow) so a lazy safetensors slice can be passed instead of a tensor
-    # and only these rows are read from disk.
-    return t[start : start + size]
+def _factor(param: torch.Tensor, dim: int) -> int:
+    """How many logical features one element of ``param`` holds along ``dim`` (packed int32 words)."""
+    return int(getattr(param, "packed_factor", 1)) if getattr(param, "packed_dim", None) == dim else 1
 
 
 def _check_shape(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
@@ -89,11 +94,25 @@ def _check_shape(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
 
 
 class LinearBase(nn.Module):
-    """Common constructor: ``weight [out_per_rank, in_per_rank]``, optional ``bias``.
+    """Common constructor and weight loading of the linear layers.
 
-    Subclasses set ``self.output_size_per_partition`` / ``self.input_size_per_partition``
-    before calling :meth:`_create_params`.
+    The layer's parameters come from its quantize method (``quant_config.get_quant_method(self,
+    prefix)``; :class:`UnquantizedLinearMethod` without one): ``weight [out_per_rank,
+    in_per_rank]`` in full precision, or whatever the format stores (packed int32 words, scales,
+    zero points). Each parameter says how it is sharded through attributes the one weight loader
+    below reads: ``output_dim`` / ``input_dim`` (which dimension indexes output / input features,
+    None: neither), ``packed_dim`` and ``packed_factor`` (that dimension holds ``packed_factor``
+    features per element), ``shard_scalar`` (one value per stacked checkpoint tensor, e.g. a
+    per-tensor scale of q, k and v) and optionally ``load_shard(dst, src, full, offset, size)``
+    (a method's own copy, e.g. quantizing as the weight loads).
+
+    Subclasses set ``self.output_size_per_partition`` / ``self.input_size_per_partition`` and
+    ``self.output_partition_sizes`` before calling :meth:`_create_params`, and describe their
+    output shards with :meth:`_output_shard`.
     """
+
+    #: whether this layer shards the input dimension (row-parallel)
+    shards_input = False
 
     def __init__(
         self,
@@ -102,6 +121,7 @@ class LinearBase(nn.Module):
         bias: bool = False,
         params_dtype: torch.dtype | None = None,
         prefix: str = "",
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         self.input_size = input_size
@@ -114,28 +134,84 @@ class LinearBase(nn.Module):
         self.tp_size = get_tensor_model_parallel_world_size()
         self.input_size_per_partition = input_size
         self.output_size_per_partition = output_size
+        self.output_partition_sizes = [output_size]
         self.has_bias = bias
+        method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
+        self.quant_method: QuantizeMethodBase = method or UnquantizedLinearMethod()
 
     def _create_params(self, bias_size: int) -> None:
         # Values are garbage until a weight loader (or dummy init) fills them.
-        self.weight = nn.Parameter(
-            torch.empty(self.output_size_per_partition, self.input_size_per_partition, dtype=self.params_dtype),
-            requires_grad=False,
+        self.quant_method.create_weights(
+            self, self.input_size_per_partition, self.output_partition_sizes, self.input_size, self.output_size,
+            self.params_dtype, weight_loader=self.weight_loader,
         )
-        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
         if self.has_bias:
             self.bias = nn.Parameter(torch.empty(bias_size, dtype=self.params_dtype), requires_grad=False)
-            set_weight_attrs(self.bias, {"weight_loader": self.weight_loader})
+            set_weight_attrs(self.bias, {"weight_loader": self.weight_loader, "output_dim": 0})
         else:
             self.register_parameter("bias", None)
 
+    # -- weight loading ----------------------------------------------------------------------
+    def _logical_shards(self) -> list[tuple[Any, int]]:
+        """``(shard_id, full size)`` of the checkpoint tensors stacked in the output (one: ``None``)."""
+        return [(None, self.output_size)]
+
+    def _output_shard(self, shard_id: Any) -> tuple[int, int, int, int]:
+        """``(offset in this rank's output, size, start in the checkpoint tensor, shard index)`` in
+        output features, for checkpoint tensor ``shard_id``."""
+        if shard_id is not None:
+            raise ValueError(f"{self.prefix}: {type(self).__name__} takes no shard_id (got {shard_id!r})")
+        return 0, self.output_size_per_partition, 0, 0
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
-        raise NotImplementedError
+        """Copy this rank's part of checkpoint tensor ``loaded_weight`` (whole, or the stacked tensor
+        ``shard_id``) into ``param``, as ``param``'s attributes describe (class docstring)."""
+        shards = self._logical_shards()
+        if shard_id is None and len(shards) > 1:
+            # A checkpoint that stores the fused tensor: split it and load each part.
+            out_dim = getattr(param, "output_dim", None)
+            offset = 0
+            for sid, size in shards:
+                if out_dim is None:
+                    self.weight_loader(param, loaded_weight, sid)
+                    continue
+                f = _factor(param, out_dim)
+                self.weight_loader(param, loaded_weight.narrow(out_dim, offset // f, size // f), sid)
+                offset += size
+            return
+        offset, size, start, index = self._output_shard(shard_id)
+        name = self.prefix if shard_id is None else f"{self.prefix}[{shard_id}]"
+        dst, src = param.data, loaded_weight
+        out_dim = getattr(param, "output_dim", None)
+        if out_dim is not None:
+            f = _factor(param, out_dim)
+            if offset % f or size % f or start % f:
+                raise ValueError(f"{name}: {size} output features at {start} do not split into whole packed "
+                                 f"elements of {f}; use a smaller tensor-parallel size")
+            dst = dst.narrow(out_dim, offset // f, size // f)
+            if start or size // f != loaded_weight.shape[out_dim]:
+                # Plain slicing along rows, so a lazy safetensors slice reads only these rows.
+                src = (src[start // f : (start + size) // f] if out_dim == 0
+                       else src.narrow(out_dim, start // f, size // f))
+        elif getattr(param, "shard_scalar", False):
+            dst = dst.narrow(0, index, 1)
+            src = src.reshape(1)
+        in_dim = getattr(param, "input_dim", None)
+        if self.shards_input and in_dim is not None:
+            n = dst.shape[in_dim]
+            src = src.narrow(in_dim, self.tp_rank * n, n)
+        load_shard = getattr(param, "load_shard", None)
+        if load_shard is not None:
+            load_shard(dst, src, loaded_weight, offset, size)
+            return
+        _check_shape(dst, src, name)
+        dst.copy_(src)
 
     def extra_repr(self) -> str:
+        method = "" if not self.quant_method.quantized else f", quant={type(self.quant_method).__name__}"
         return (
             f"in={self.input_size_per_partition}, out={self.output_size_per_partition}, "
-            f"bias={self.has_bias}, tp_size={self.tp_size}"
+            f"bias={self.has_bias}, tp_size={self.tp_size}{method}"
         )
 
 
@@ -149,15 +225,13 @@ class ReplicatedLinear(LinearBase):
         bias: bool = False,
         params_dtype: torch.dtype | None = None,
         prefix: str = "",
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
-        super().__init__(input_size, output_size, bias, params_dtype, prefix)
+        super().__init__(input_size, output_size, bias, params_dtype, prefix, quant_config)
         self._create_params(output_size)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
-        default_weight_loader(param, loaded_weight)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -174,25 +248,30 @@ class ColumnParallelLinear(LinearBase):
         gather_output: bool = False,
         params_dtype: torch.dtype | None = None,
         prefix: str = "",
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
-        super().__init__(input_size, output_size, bias, params_dtype, prefix)
+        # NOTE: the quant method is chosen in LinearBase.__init__, which needs only the prefix; the
+        # partition sizes are set before it creates the weights.
+        super().__init__(input_size, output_size, bias, params_dtype, prefix, quant_config)
         self.gather_output = gather_output
         self.output_size_per_partition = self._output_size_per_partition()
+        self.output_partition_sizes = self._output_partition_sizes()
         self._create_params(self.output_size_per_partition)
 
     def _output_size_per_partition(self) -> int:
         return divide(self.output_size, self.tp_size, f"{self.prefix or 'linear'} output_size")
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+    def _output_partition_sizes(self) -> list[int]:
+        return [self.output_size_per_partition]
+
+    def _output_shard(self, shard_id: Any) -> tuple[int, int, int, int]:
         if shard_id is not None:
             raise ValueError(f"{self.prefix}: ColumnParallelLinear takes no shard_id (got {shard_id!r})")
-        size = param.shape[0]
-        shard = _rows(loaded_weight, self.tp_rank * size, size)
-        _check_shape(param, shard, self.prefix)
-        param.data.copy_(shard)
+        size = self.output_size_per_partition
+        return 0, size, self.tp_rank * size, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = self.quant_method.apply(self, x, self.bias)
         if self.gather_output and self.tp_size > 1:
             out = tensor_model_parallel_all_gather(out, dim=-1)
         return out
@@ -214,31 +293,29 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         gather_output: bool = False,
         params_dtype: torch.dtype | None = None,
         prefix: str = "",
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(self.output_sizes), bias, gather_output, params_dtype, prefix)
+        super().__init__(input_size, sum(self.output_sizes), bias, gather_output, params_dtype, prefix,
+                         quant_config)
 
     def _output_size_per_partition(self) -> int:
         for i, size in enumerate(self.output_sizes):
             divide(size, self.tp_size, f"{self.prefix or 'linear'} output_sizes[{i}]")
         return sum(self.output_sizes) // self.tp_size
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
-        if shard_id is None:
-            # A checkpoint that already stores the fused tensor: split it and load each part.
-            offset = 0
-            for i, size in enumerate(self.output_sizes):
-                self.weight_loader(param, _rows(loaded_weight, offset, size), i)
-                offset += size
-            return
+    def _output_partition_sizes(self) -> list[int]:
+        return [size // self.tp_size for size in self.output_sizes]
+
+    def _logical_shards(self) -> list[tuple[Any, int]]:
+        return list(enumerate(self.output_sizes))
+
+    def _output_shard(self, shard_id: Any) -> tuple[int, int, int, int]:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"{self.prefix}: shard_id must be 0..{len(self.output_sizes) - 1}, got {shard_id!r}")
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        dst = param.data.narrow(0, offset, size)
-        src = _rows(loaded_weight, self.tp_rank * size, size)
-        _check_shape(dst, src, f"{self.prefix}[{shard_id}]")
-        dst.copy_(src)
+        return offset, size, self.tp_rank * size, shard_id
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -261,13 +338,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: bool = False,
         params_dtype: torch.dtype | None = None,
         prefix: str = "",
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         self.hidden_size = hidden_size
         self.head_size = head_size
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads or total_num_heads
         output_size = (self.total_num_heads + 2 * self.total_num_kv_heads) * head_size
-        super().__init__(hidden_size, output_size, bias, False, params_dtype, prefix)
+        super().__init__(hidden_size, output_size, bias, False, params_dtype, prefix, quant_config)
 
     def _output_size_per_partition(self) -> int:
         tp = self.tp_size
@@ -280,32 +358,26 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_head_replicas = 1
         return (self.num_heads + 2 * self.num_kv_heads) * self.head_size
 
-    def _shard_layout(self, shard_id: str) -> tuple[int, int, int]:
-        """(offset in this rank's param, size, start in the full checkpoint tensor), in rows."""
+    def _output_partition_sizes(self) -> list[int]:
+        kv = self.num_kv_heads * self.head_size
+        return [self.num_heads * self.head_size, kv, kv]
+
+    def _logical_shards(self) -> list[tuple[Any, int]]:
+        kv = self.total_num_kv_heads * self.head_size
+        return [("q", self.total_num_heads * self.head_size), ("k", kv), ("v", kv)]
+
+    def _output_shard(self, shard_id: Any) -> tuple[int, int, int, int]:
         q_size = self.num_heads * self.head_size
         kv_size = self.num_kv_heads * self.head_size
         if shard_id == "q":
-            return 0, q_size, self.tp_rank * q_size
+            return 0, q_size, self.tp_rank * q_size, 0
         # NOTE: replicated KV heads: ranks r*rep .. r*rep+rep-1 all read KV head r.
         kv_start = (self.tp_rank // self.num_kv_head_replicas) * kv_size
         if shard_id == "k":
-            return q_size, kv_size, kv_start
+            return q_size, kv_size, kv_start, 1
         if shard_id == "v":
-            return q_size + kv_size, kv_size, kv_start
+            return q_size + kv_size, kv_size, kv_start, 2
         raise ValueError(f"{self.prefix}: shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
-        if shard_id is None:
-            q = self.total_num_heads * self.head_size
-            kv = self.total_num_kv_heads * self.head_size
-            for sid, start, size in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
-                self.weight_loader(param, _rows(loaded_weight, start, size), sid)
-            return
-        offset, size, start = self._shard_layout(shard_id)
-        dst = param.data.narrow(0, offset, size)
-        src = _rows(loaded_weight, start, size)
-        _check_shape(dst, src, f"{self.prefix}[{shard_id}]")
-        dst.copy_(src)
 
 
 class RowParallelLinear(LinearBase):
@@ -316,6 +388,8 @@ class RowParallelLinear(LinearBase):
     every rank and added once, after the reduction.
     """
 
+    shards_input = True
+
     def __init__(
         self,
         input_size: int,
@@ -325,22 +399,18 @@ class RowParallelLinear(LinearBase):
         reduce_results: bool = True,
         params_dtype: torch.dtype | None = None,
         prefix: str = "",
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
-        super().__init__(input_size, output_size, bias, params_dtype, prefix)
+        super().__init__(input_size, output_size, bias, params_dtype, prefix, quant_config)
         self.input_is_parallel = input_is_parallel
         self.reduce_results = reduce_results
         self.input_size_per_partition = divide(input_size, self.tp_size, f"{prefix or 'linear'} input_size")
         self._create_params(output_size)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+    def _output_shard(self, shard_id: Any) -> tuple[int, int, int, int]:
         if shard_id is not None:
             raise ValueError(f"{self.prefix}: RowParallelLinear takes no shard_id (got {shard_id!r})")
-        if param.dim() == 2:
-            size = param.shape[1]
-            start = self.tp_rank * size
-            loaded_weight = loaded_weight[:, start : start + size]
-        _check_shape(param, loaded_weight, self.prefix)
-        param.data.copy_(loaded_weight)
+        return 0, self.output_size, 0, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel and self.tp_size > 1:
@@ -348,8 +418,8 @@ class RowParallelLinear(LinearBase):
             x = x.narrow(-1, self.tp_rank * size, size)
         if self.tp_size == 1:
             # Fusing the bias into the matmul matches nn.Linear exactly.
-            return F.linear(x, self.weight, self.bias)
-        out = F.linear(x, self.weight)
+            return self.quant_method.apply(self, x, self.bias)
+        out = self.quant_method.apply(self, x, None)
         if self.reduce_results:
             out = tensor_model_parallel_all_reduce(out)
         # NOTE: without the reduction the caller sums partial outputs itself, so adding the

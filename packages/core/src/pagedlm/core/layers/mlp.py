@@ -7,6 +7,7 @@ from torch import nn
 
 from pagedlm.core.layers.activation import get_act_and_mul_fn
 from pagedlm.core.layers.linear import MergedColumnParallelLinear, RowParallelLinear, maybe_prefix
+from pagedlm.core.layers.quantization.base_config import QuantizationConfig
 
 #: ``(fused parameter, checkpoint name, shard id)`` of HF checkpoints with separate q/k/v and
 #: gate/up projections: what ``QKVParallelLinear`` and :class:`GatedMLP` load from
@@ -24,13 +25,14 @@ class GatedMLP(nn.Module):
     column-parallel matmul (``gate_up_proj``), down row-parallel (``down_proj``)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, prefix: str,
-                 bias: bool = False) -> None:
+                 bias: bool = False, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, bias=bias, prefix=maybe_prefix(prefix, "gate_up_proj")
+            hidden_size, [intermediate_size] * 2, bias=bias, prefix=maybe_prefix(prefix, "gate_up_proj"),
+            quant_config=quant_config,
         )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias,
-                                           prefix=maybe_prefix(prefix, "down_proj"))
+                                           prefix=maybe_prefix(prefix, "down_proj"), quant_config=quant_config)
         self.act_fn = get_act_and_mul_fn(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

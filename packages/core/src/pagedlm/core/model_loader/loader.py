@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -89,10 +90,16 @@ def load_model(
     device = torch.device(device)
     model_cls = get_model_class(model_config.architectures)
 
+    quant_config = vllm_config.quant_config
+    if quant_config is not None:
+        _check_capability(vllm_config, quant_config, device)
+
     start = time.perf_counter()
     with _default_dtype(dtype), device, set_current_vllm_config(vllm_config, attn_backend_cls) as ctx:
         model = model_cls(vllm_config=vllm_config, prefix="")
     attention_layers = dict(ctx.attention_layers)
+    if quant_config is not None:
+        _check_quantized_layers(model, model_cls.__name__, quant_config)
 
     if load_format == "dummy":
         initialize_dummy_weights(model, model_config.seed)
@@ -106,8 +113,8 @@ def load_model(
         # stage's layers (PP); one rank keeps plain tensors, which any model code accepts.
         lazy = vllm_config.parallel_config.world_size > 1
         weights = get_weights_iterator(model_config.model, load_format, lazy=lazy)
-        loaded = model.load_weights(weights)
-        expected = {name for name, _ in model.named_parameters()}
+        loaded = model.load_weights(remap_kv_cache_scales(weights, model, quant_config))
+        expected = {name for name, p in model.named_parameters() if not getattr(p, "optional_in_checkpoint", False)}
         missing = sorted(expected - set(loaded))
         if missing:
             shown = ", ".join(missing[:20]) + (f", ... ({len(missing) - 20} more)" if len(missing) > 20 else "")
@@ -115,9 +122,69 @@ def load_model(
                 f"the checkpoint in {model_config.model} did not provide {len(missing)} parameter(s) of "
                 f"{model_cls.__name__}: {shown}"
             )
+    process_weights_after_loading(model)
     model.eval()
+    weight_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+    model.weight_memory_bytes = weight_bytes  # type: ignore[assignment]
     logger.info(
-        "loaded %s (%s, %s, load_format=%s) in %.2fs",
-        model_cls.__name__, device, str(dtype).removeprefix("torch."), load_format, time.perf_counter() - start,
+        "loaded %s (%s, %s, load_format=%s%s) in %.2fs; weights take %.3f GiB on this rank",
+        model_cls.__name__, device, str(dtype).removeprefix("torch."), load_format,
+        f", quantization={quant_config.describe()}" if quant_config is not None else "",
+        time.perf_counter() - start, weight_bytes / 2**30,
     )
     return model, attention_layers
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let every layer's quantize method (and every attention layer) convert its loaded weights to
+    its kernel's layout, one layer at a time."""
+    with torch.no_grad():
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+            hook = getattr(module, "process_weights_after_loading", None)
+            if callable(hook):
+                hook()
+
+
+def remap_kv_cache_scales(weights: Iterator[tuple[str, Any]], model: nn.Module,
+                          quant_config: Any) -> Iterator[tuple[str, Any]]:
+    """Checkpoint KV-cache scales under the attention layers' names (``...self_attn.k_scale`` or the
+    method's own, e.g. compressed-tensors' ``k_proj.output_scale``, -> ``...self_attn.attn.k_scale``);
+    dropped when the model keeps no scales (``kv_cache_dtype="auto"``)."""
+    params = {name for name, _ in model.named_parameters()}
+    for name, tensor in weights:
+        target = quant_config.get_cache_scale(name) if quant_config is not None else None
+        if target is None and name.endswith((".k_scale", ".v_scale")) and ".attn." not in name:
+            head, _, scale = name.rpartition(".")
+            target = f"{head}.attn.{scale}"
+        if target is None:
+            yield name, tensor
+        elif target in params:
+            yield target, tensor
+
+
+def _check_capability(vllm_config: VllmConfig, quant_config: Any, device: torch.device) -> None:
+    from pagedlm.core.platforms import resolve_platform
+
+    capability = resolve_platform(vllm_config.device_config.device).get_device_capability(device)
+    if capability is None:
+        return  # no compute capability (the CPU): core's torch reference runs every method
+    have, need = capability[0] * 10 + capability[1], quant_config.get_min_capability()
+    if have < need:
+        raise ValueError(
+            f"quantization {quant_config.get_name()!r} needs a GPU of compute capability {need // 10}.{need % 10} or "
+            f"newer; this one has {capability[0]}.{capability[1]}"
+            + (" (FP8 needs Ada or Hopper: 8.9 / 9.0)" if need >= 89 else ""))
+
+
+def _check_quantized_layers(model: nn.Module, class_name: str, quant_config: Any) -> None:
+    from pagedlm.core.layers.linear import LinearBase
+
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    if linears and not any(m.quant_method.quantized for m in linears):
+        raise ValueError(
+            f"quantization {quant_config.get_name()!r} left every linear layer of {class_name} unquantized: the model "
+            "class must pass quant_config=vllm_config.quant_config (and each layer's prefix) to its linear layers, "
+            "or the checkpoint's ignore list covers every layer")

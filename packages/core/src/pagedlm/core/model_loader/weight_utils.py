@@ -230,6 +230,10 @@ def pt_weights_iterator(files: Iterable[str]) -> Iterator[tuple[str, torch.Tenso
 def initialize_dummy_weights(model: nn.Module, seed: int, low: float = -1e-3, high: float = 1e-3) -> None:
     """Fill every parameter with ``U(low, high)`` from a generator seeded with ``seed``.
 
+    Integer parameters (packed quantized weights) get uniformly random integers of their dtype, and
+    a parameter with a ``dummy_init(param, generator)`` attribute (a quantize method's scales,
+    group indices, shapes) is filled by it, so ``load_format="dummy"`` builds valid quantized layers.
+
     NOTE: values are drawn in float32 on the parameter's device and then cast, so a seed gives
     the same weights on every run of one device type (and dtype-independent values up to the
     cast), not across device types: a CPU draw of a 0.6B model took ~4 s of a GPU engine's start.
@@ -240,8 +244,17 @@ def initialize_dummy_weights(model: nn.Module, seed: int, low: float = -1e-3, hi
             gen = generators.get(param.device)
             if gen is None:
                 gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-            values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
-            param.data.copy_(values.uniform_(low, high, generator=gen))
+            custom = getattr(param, "dummy_init", None)
+            if custom is not None:
+                custom(param, gen)
+            elif not param.dtype.is_floating_point:
+                info = torch.iinfo(param.dtype)
+                high_int = info.max if param.dtype == torch.int64 else info.max + 1
+                param.data.copy_(torch.randint(info.min, high_int, param.shape, generator=gen, device=param.device,
+                                               dtype=torch.int64).to(param.dtype))
+            else:
+                values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+                param.data.copy_(values.uniform_(low, high, generator=gen))
 
 
 # -- assigning ------------------------------------------------------------------------------------

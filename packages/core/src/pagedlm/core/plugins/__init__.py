@@ -36,13 +36,15 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 PROJECT_NAME = "pagedlm"
+#: the name under which pagedlm-core's own hook implementations are registered
+CORE_PLUGIN_NAME = "core"
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 #: The plugin contract's version, ``"major.minor"``. The major number goes up when a change can
 #: break an existing plugin (a hook or a ``register`` argument removed or changed, an op
 #: contract changed); the minor number when something is only added (a hook, an optional
 #: ``register`` keyword, an op contract). A plugin checks the major number it was written for.
-API_VERSION = "1.0"
+API_VERSION = "1.1"
 
 __all__ = [
     "API_VERSION",
@@ -108,6 +110,12 @@ class Plugins:
         self.failures: list[PluginLoadFailure] = []
         # plugin name -> distribution name, for messages
         self.distributions: dict[str, str | None] = {}
+        # Core's own registrations (its built-in quantization methods) go through the same hooks,
+        # always (autoload and the allow-list choose plugins, not core); plugin_names() omits it.
+        from pagedlm.core.plugins import core_plugin
+
+        self._pm.register(core_plugin, name=CORE_PLUGIN_NAME)
+        self.distributions[CORE_PLUGIN_NAME] = "pagedlm-core"
 
     # -- loading ---------------------------------------------------------------------------
     def load(self) -> None:
@@ -152,7 +160,7 @@ class Plugins:
 
     def plugin_names(self) -> list[str]:
         self.load()
-        return [name for name, _ in self._pm.list_name_plugin()]
+        return [name for name, _ in self._pm.list_name_plugin() if name != CORE_PLUGIN_NAME]
 
     # -- typed registries ---------------------------------------------------------------------
     def collect(self, hook_name: str, parse: Parser, what: str) -> dict[Hashable, Registration]:
@@ -188,6 +196,11 @@ class Plugins:
         regs = self.collect("pagedlm_register_ops", _op, "layer op (op name, platform)")
         return [OpSpec(*reg.key, function_path=reg.value, plugin=reg.plugin) for reg in regs.values()]
 
+    def quantization_methods(self) -> dict[str, str]:
+        """Quantization method name -> ``"module:Class"`` of its ``QuantizationConfig``."""
+        regs = self.collect("pagedlm_register_quantization_methods", _quantization_method, "quantization method")
+        return {str(key): reg.value for key, reg in regs.items()}
+
     def add_cli_commands(self, subparsers: argparse._SubParsersAction) -> None:
         self.hook.pagedlm_add_cli_commands(subparsers=subparsers)
 
@@ -210,6 +223,10 @@ def _platform(name: str, class_path: str, is_available: Callable[[], bool],
               priority: int = 0) -> tuple[str, dict[str, Any]]:
     return str(name), {"name": str(name), "class_path": str(class_path), "is_available": is_available,
                        "priority": int(priority)}
+
+
+def _quantization_method(name: str, class_path: str) -> tuple[str, str]:
+    return str(name), str(class_path)
 
 
 def _op(op_name: str, platform_name: str, function_path: str) -> tuple[tuple[str, str], str]:

@@ -108,3 +108,18 @@ def pagedlm_register_ops(register: Callable[..., None]) -> None:
     that platform. The function must keep the op's contract, dtype rounding included. Layers
     built on other platforms keep core's torch implementation. Returns nothing.
     """
+
+
+@hookspec
+def pagedlm_register_quantization_methods(register: Callable[..., None]) -> None:
+    """Register quantization methods by name.
+
+    Call ``register(name, class_path)``: ``name`` is what users pass as ``quantization=`` and what a
+    checkpoint's ``config.json`` names as ``quantization_config.quant_method`` (``"fp8"``,
+    ``"compressed-tensors"``, ``"gptq"``, ``"awq"``); ``class_path`` is a ``"module:Class"`` string
+    naming a :class:`pagedlm.core.layers.quantization.QuantizationConfig` subclass, imported only
+    when a model uses the method. The class parses the checkpoint's ``quantization_config``
+    (``from_config``) and gives each linear layer, by its module path, a quantize method
+    (``get_quant_method(layer, prefix)``) that creates the layer's parameters and computes its
+    matmul. pagedlm-core registers its built-in methods through this same hook. Returns nothing.
+    """

@@ -10,7 +10,7 @@ import torch
 
 from pagedlm.core.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pagedlm.core.attention.selector import get_attn_backend_cls
-from pagedlm.core.config import VllmConfig
+from pagedlm.core.config import VllmConfig, kv_cache_torch_dtype
 from pagedlm.core.distributed import get_pp_group, pp_forward
 from pagedlm.core.forward_context import set_forward_context
 from pagedlm.core.kv_cache.spec import (
@@ -102,6 +102,26 @@ def _tensor_bytes(module: torch.nn.Module) -> int:
     return total
 
 
+def _check_kv_cache_dtype(backend: type[AttentionBackend], cache_dtype: str, device: str) -> None:
+    """``ValueError`` naming the backends that can, when ``backend`` cannot hold a ``cache_dtype`` cache."""
+    if cache_dtype in backend.supported_kv_cache_dtypes:
+        return
+    from pagedlm.core.plugins import get_plugins, resolve_class_path
+
+    able = []
+    for name, path in sorted(get_plugins().attention_backends().items()):
+        try:
+            cls = resolve_class_path(path)
+        except Exception:  # noqa: BLE001 - a backend that cannot be imported here cannot be suggested
+            continue
+        devices = getattr(cls, "supported_devices", None)
+        if cache_dtype in getattr(cls, "supported_kv_cache_dtypes", ()) and (devices is None or device in devices):
+            able.append(name)
+    hint = (f"use attention_backend={able[0]!r}" if able else f"no attention backend on {device!r} reads one yet")
+    raise ValueError(f"kv_cache_dtype={cache_dtype!r}: attention backend {backend.name!r} cannot read an FP8 KV cache "
+                     f"({hint}; or kv_cache_dtype='auto')")
+
+
 def _done(output: ModelRunnerOutput, non_block: bool) -> ModelRunnerOutput | AsyncModelRunnerOutput:
     return AsyncModelRunnerOutput.ready(output) if non_block else output
 
@@ -117,6 +137,10 @@ class ModelRunner:
         self.max_model_len = vllm_config.max_model_len
         self.attn_backend: type[AttentionBackend] = get_attn_backend_cls(vllm_config)
         self.attn_backend.validate(head_size=mc.head_dim, dtype=self.dtype, block_size=self.block_size)
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        _check_kv_cache_dtype(self.attn_backend, cache_dtype, self.platform.device_name)
+        #: the KV cache tensors' dtype (float8_e4m3fn for kv_cache_dtype="fp8")
+        self.kv_cache_dtype: torch.dtype = kv_cache_torch_dtype(cache_dtype, self.dtype)
         # NOTE: the platform's layer ops are resolved once, here; the sampler and the model bind
         # them when built (layers.custom_ops), so no forward pass looks them up.
         self.layer_ops = custom_ops.registered_ops(self.platform.device_name)
@@ -144,9 +168,8 @@ class ModelRunner:
     def load_model(self) -> None:
         with custom_ops.use_ops(self.layer_ops):
             self.model, self.attention_layers = load_model(self.vllm_config, self.attn_backend, self.device)
-        #: bytes of this rank's parameters (a tied tensor once), logged at start-up
+        #: bytes of this rank's parameters (a tied tensor once)
         self.model_weight_bytes = _tensor_bytes(self.model)
-        logger.info("model weights: %.2f GiB on %s", self.model_weight_bytes / 2**30, self.device)
         # The groups of this rank's layers; the engine core replaces them with the groups of every
         # rank's layers (pipeline stages hold different layers) before sizing the cache.
         self.set_kv_cache_groups(make_kv_cache_groups(self.get_kv_cache_specs()))
@@ -197,13 +220,14 @@ class ModelRunner:
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one block id costs on this rank: one block of every cache slot."""
-        return sum(int(np.prod(self._slot_shape(layers, 1))) * self.dtype.itemsize
+        return sum(int(np.prod(self._slot_shape(layers, 1))) * self.kv_cache_dtype.itemsize
                    for layers in self._slot_layers().values())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = []
         for layers in self._slot_layers().values():
-            cache = self.platform.kv_cache_tensor(self._slot_shape(layers, num_blocks), self.dtype, self.device)
+            shape = self._slot_shape(layers, num_blocks)
+            cache = self.platform.kv_cache_tensor(shape, self.kv_cache_dtype, self.device)
             for layer in layers:
                 layer.kv_cache = cache
             self.kv_caches.append(cache)

@@ -41,6 +41,7 @@ from pagedlm.core.layers import (
     maybe_prefix,
     set_attention_heads,
 )
+from pagedlm.core.layers.quantization import QuantizationConfig
 from pagedlm.core.layers.rotary import RotaryEmbedding
 from pagedlm.core.model_loader import default_weight_loader, load_weights_by_name, set_weight_attrs
 from pagedlm.models.gemma.chat_template import GEMMA_CHAT_TEMPLATE
@@ -111,7 +112,8 @@ class Gemma3Attention(nn.Module):
     """``hidden [T, hidden] -> [T, hidden]``: qkv projection, per-head q/k norm, rotary (this
     layer type's base), paged attention (windowed on local layers), o_proj."""
 
-    def __init__(self, config: Any, prefix: str, layer_idx: int, max_position: int) -> None:
+    def __init__(self, config: Any, prefix: str, layer_idx: int, max_position: int,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         set_attention_heads(self, config)
         hidden_size = config.hidden_size
@@ -119,10 +121,11 @@ class Gemma3Attention(nn.Module):
 
         self.qkv_proj = QKVParallelLinear(
             hidden_size, self.head_dim, self.total_num_heads, self.total_num_kv_heads,
-            bias=bias, prefix=maybe_prefix(prefix, "qkv_proj"),
+            bias=bias, prefix=maybe_prefix(prefix, "qkv_proj"), quant_config=quant_config,
         )
         self.o_proj = RowParallelLinear(
-            self.total_num_heads * self.head_dim, hidden_size, bias=bias, prefix=maybe_prefix(prefix, "o_proj")
+            self.total_num_heads * self.head_dim, hidden_size, bias=bias, prefix=maybe_prefix(prefix, "o_proj"),
+            quant_config=quant_config,
         )
         self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -151,12 +154,15 @@ class Gemma3DecoderLayer(nn.Module):
     """``forward(positions, hidden [T, hidden]) -> [T, hidden]``: two sandwich-normed residual
     sub-layers, ``h + post_norm(sublayer(pre_norm(h)))`` for attention and then the MLP."""
 
-    def __init__(self, config: Any, prefix: str, layer_idx: int, max_position: int) -> None:
+    def __init__(self, config: Any, prefix: str, layer_idx: int, max_position: int,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Gemma3Attention(config, maybe_prefix(prefix, "self_attn"), layer_idx, max_position)
+        self.self_attn = Gemma3Attention(config, maybe_prefix(prefix, "self_attn"), layer_idx, max_position,
+                                         quant_config)
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) or "gelu_pytorch_tanh"
-        self.mlp = GatedMLP(hidden, config.intermediate_size, act, maybe_prefix(prefix, "mlp"))
+        self.mlp = GatedMLP(hidden, config.intermediate_size, act, maybe_prefix(prefix, "mlp"),
+                            quant_config=quant_config)
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
@@ -181,7 +187,7 @@ class Gemma3Model(nn.Module):
             config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
         )
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, maybe_prefix(prefix, f"layers.{i}"), i, max_position)
+            Gemma3DecoderLayer(config, maybe_prefix(prefix, f"layers.{i}"), i, max_position, vllm_config.quant_config)
             for i in range(config.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)

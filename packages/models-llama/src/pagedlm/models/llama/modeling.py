@@ -27,6 +27,7 @@ from pagedlm.core.layers import (
     maybe_prefix,
     set_attention_heads,
 )
+from pagedlm.core.layers.quantization import QuantizationConfig
 
 __all__ = ["LlamaForCausalLM", "LlamaModel", "MistralForCausalLM"]
 
@@ -37,7 +38,8 @@ SKIPPED_WEIGHTS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.s
 class LlamaAttention(nn.Module):
     """``hidden [T, hidden] -> [T, hidden]``: qkv projection, rotary, paged attention, o_proj."""
 
-    def __init__(self, config: Any, prefix: str, sliding_window: int | None = None) -> None:
+    def __init__(self, config: Any, prefix: str, sliding_window: int | None = None,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         set_attention_heads(self, config)
         hidden_size = config.hidden_size
@@ -46,11 +48,11 @@ class LlamaAttention(nn.Module):
 
         self.qkv_proj = QKVParallelLinear(
             hidden_size, self.head_dim, self.total_num_heads, self.total_num_kv_heads,
-            bias=attention_bias, prefix=maybe_prefix(prefix, "qkv_proj"),
+            bias=attention_bias, prefix=maybe_prefix(prefix, "qkv_proj"), quant_config=quant_config,
         )
         self.o_proj = RowParallelLinear(
             self.total_num_heads * self.head_dim, hidden_size, bias=attention_bias,
-            prefix=maybe_prefix(prefix, "o_proj"),
+            prefix=maybe_prefix(prefix, "o_proj"), quant_config=quant_config,
         )
         self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, config)
         self.attn = Attention(
@@ -68,12 +70,14 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(PreNormDecoderLayer):
     """Llama's pre-norm block (the forward is :class:`PreNormDecoderLayer`'s)."""
 
-    def __init__(self, config: Any, prefix: str, sliding_window: int | None = None) -> None:
+    def __init__(self, config: Any, prefix: str, sliding_window: int | None = None,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, maybe_prefix(prefix, "self_attn"), sliding_window)
+        self.self_attn = LlamaAttention(config, maybe_prefix(prefix, "self_attn"), sliding_window, quant_config)
         self.mlp = GatedMLP(
             config.hidden_size, config.intermediate_size, config.hidden_act,
             prefix=maybe_prefix(prefix, "mlp"), bias=bool(getattr(config, "mlp_bias", False)),
+            quant_config=quant_config,
         )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -85,8 +89,9 @@ class LlamaModel(DecoderModel):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", use_sliding_window: bool = False) -> None:
         config = vllm_config.model_config.text_config
         sliding_window = getattr(config, "sliding_window", None) if use_sliding_window else None
-        super().__init__(config, prefix,
-                         lambda i: LlamaDecoderLayer(config, maybe_prefix(prefix, f"layers.{i}"), sliding_window))
+        quant_config = vllm_config.quant_config
+        super().__init__(config, prefix, lambda i: LlamaDecoderLayer(
+            config, maybe_prefix(prefix, f"layers.{i}"), sliding_window, quant_config))
 
 
 class LlamaForCausalLM(CausalLM):

@@ -28,6 +28,7 @@ from pagedlm.core.layers import (
     maybe_prefix,
     set_attention_heads,
 )
+from pagedlm.core.layers.quantization import QuantizationConfig
 
 __all__ = ["Qwen2Attention", "Qwen2ForCausalLM", "Qwen2Model"]
 
@@ -58,7 +59,8 @@ class Qwen2Attention(nn.Module):
         """(q/k/v bias, o_proj bias)."""
         return True, False
 
-    def __init__(self, config: Any, prefix: str, sliding_window: int | None = None) -> None:
+    def __init__(self, config: Any, prefix: str, sliding_window: int | None = None,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         set_attention_heads(self, config)
         hidden_size = config.hidden_size
@@ -66,10 +68,11 @@ class Qwen2Attention(nn.Module):
 
         self.qkv_proj = QKVParallelLinear(
             hidden_size, self.head_dim, self.total_num_heads, self.total_num_kv_heads,
-            bias=qkv_bias, prefix=maybe_prefix(prefix, "qkv_proj"),
+            bias=qkv_bias, prefix=maybe_prefix(prefix, "qkv_proj"), quant_config=quant_config,
         )
         self.o_proj = RowParallelLinear(
-            self.total_num_heads * self.head_dim, hidden_size, bias=o_bias, prefix=maybe_prefix(prefix, "o_proj")
+            self.total_num_heads * self.head_dim, hidden_size, bias=o_bias, prefix=maybe_prefix(prefix, "o_proj"),
+            quant_config=quant_config,
         )
         self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, config)
         self.attn = Attention(
@@ -91,11 +94,13 @@ class Qwen2Attention(nn.Module):
 class Qwen2DecoderLayer(PreNormDecoderLayer):
     """Qwen2's pre-norm block (the forward is :class:`PreNormDecoderLayer`'s)."""
 
-    def __init__(self, config: Any, prefix: str, attn_cls: type[Qwen2Attention], layer_idx: int) -> None:
+    def __init__(self, config: Any, prefix: str, attn_cls: type[Qwen2Attention], layer_idx: int,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
-        self.self_attn = attn_cls(config, maybe_prefix(prefix, "self_attn"), layer_sliding_window(config, layer_idx))
+        self.self_attn = attn_cls(config, maybe_prefix(prefix, "self_attn"), layer_sliding_window(config, layer_idx),
+                                  quant_config)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                            maybe_prefix(prefix, "mlp"))
+                            maybe_prefix(prefix, "mlp"), quant_config=quant_config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -106,8 +111,9 @@ class Qwen2Model(DecoderModel):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "",
                  attn_cls: type[Qwen2Attention] = Qwen2Attention) -> None:
         config = vllm_config.model_config.text_config
-        super().__init__(config, prefix,
-                         lambda i: Qwen2DecoderLayer(config, maybe_prefix(prefix, f"layers.{i}"), attn_cls, i))
+        quant_config = vllm_config.quant_config
+        super().__init__(config, prefix, lambda i: Qwen2DecoderLayer(
+            config, maybe_prefix(prefix, f"layers.{i}"), attn_cls, i, quant_config))
 
 
 class Qwen2ForCausalLM(CausalLM):

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from pagedlm.core.layers import RMSNorm
+from pagedlm.core.layers.quantization import QuantizationConfig
 from pagedlm.models.qwen.qwen2 import Qwen2Attention, Qwen2ForCausalLM
 
 __all__ = ["Qwen3Attention", "Qwen3ForCausalLM"]
@@ -24,8 +25,9 @@ class Qwen3Attention(Qwen2Attention):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
-    def __init__(self, config: Any, prefix: str, sliding_window: int | None = None) -> None:
-        super().__init__(config, prefix, sliding_window)
+    def __init__(self, config: Any, prefix: str, sliding_window: int | None = None,
+                 quant_config: QuantizationConfig | None = None) -> None:
+        super().__init__(config, prefix, sliding_window, quant_config)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 

@@ -1,0 +1,154 @@
+"""Quantized GEMMs for platform ``cuda``: the ``wna16_gemm``, ``fp8_scaled_mm`` and
+``int8_scaled_mm`` ops of :data:`pagedlm.core.layers.custom_ops.OP_CONTRACTS`.
+
+- ``wna16_gemm``: a Triton GEMM that reads the packed int4/int8 weights (``[K // pack, N]``
+  int32, GPTQ's K-major layout every integer format is converted to) and dequantizes each
+  ``[BLOCK_K, BLOCK_N]`` tile in its inner loop (scales and zero points by group, or through
+  ``g_idx`` for act-order), accumulating in float32; weights are read from memory once, at 4 or
+  8 bits. Decode-shaped inputs (few rows) use the same kernel split along K (``SPLIT_K``
+  programs per output tile, float32 atomics), so a batch of one still spreads over the GPU.
+- ``fp8_scaled_mm``: per-token (or static) activation quantization, then ``torch._scaled_mm``
+  with row-wise scales (Hopper / Ada FP8 tensor cores).
+- ``int8_scaled_mm``: per-token int8 activations, ``torch._int_mm`` (int32 accumulation), then
+  the scales.
+
+Registered by the backend's ``pagedlm_register_ops`` (:mod:`pagedlm.backends.cuda.plugin`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedlm.backends.cuda.kernels.launch import launch
+
+__all__ = ["fp8_scaled_mm", "int8_scaled_mm", "wna16_gemm"]
+
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+INT8_SCALE_DIVISOR = 127.5  # core's convention (compressed-tensors'): see the op contract
+
+
+@triton.jit
+def _wna16_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr,
+    M, N, K, stride_xm, stride_om, group_size, k_per_split,
+    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """``out [M, N] = x [M, K] @ dequant(qweight)``; program ``(m, n, split)`` computes one output
+    tile over the K range ``[split * k_per_split, (split + 1) * k_per_split)``."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        words = tl.load(qw_ptr + (rk // PACK)[:, None] * N + rn[None, :], mask=k_ok[:, None] & n_ok[None, :],
+                        other=0)
+        q = (words >> ((rk % PACK) * BITS)[:, None]) & MASK
+        if HAS_G_IDX:
+            g = tl.load(g_ptr + rk, mask=k_ok, other=0)
+        else:
+            g = rk // group_size
+        s = tl.load(s_ptr + g[:, None] * N + rn[None, :], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + g[:, None] * N + rn[None, :], mask=k_ok[:, None] & n_ok[None, :], other=0)
+        else:
+            z = 1 << (BITS - 1)
+        w = ((q - z).to(tl.float32) * s.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        acc += tl.dot(x, w, out_dtype=tl.float32)
+    mask = m_ok[:, None] & n_ok[None, :]
+    offs = rm[:, None] * stride_om + rn[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(out_ptr + offs, acc, mask=mask)
+
+
+def _wna16_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)`` for an ``[m, k] x [k, n]`` product."""
+    if m <= 16:
+        # decode: one row tile; split K so that ~2 programs per SM-ish cover the weights
+        block_n, block_k = 64, 64
+        tiles = triton.cdiv(n, block_n)
+        split = max(1, min(k // block_k, 256 // max(tiles, 1)))
+        while split > 1 and k % (split * block_k):
+            split -= 1
+        return 16, block_n, block_k, split
+    if m <= 64:
+        return 32, 64, 64, 1
+    return 64, 128, 32, 1
+
+
+def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+               g_idx: torch.Tensor | None, bits: int, group_size: int) -> torch.Tensor:
+    """The ``wna16_gemm`` op (contract in core's ``custom_ops``): ``x [M, K] -> [M, N]``."""
+    x = x.contiguous()
+    m, k = x.shape
+    n = qweight.shape[1]
+    if qweight.shape[0] * (32 // bits) != k:
+        raise ValueError(f"qweight {tuple(qweight.shape)} does not hold {k} rows of {bits}-bit values")
+    block_m, block_n, block_k, split = _wna16_config(m, n, k)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if split > 1
+           else torch.empty(m, n, dtype=x.dtype, device=x.device))
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
+    launch(_wna16_kernel, grid,
+           x, qweight, scales, zeros if zeros is not None else scales, g_idx if g_idx is not None else qweight, out,
+           m, n, k, x.stride(0), out.stride(0), group_size, k_per_split,
+           BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None, SPLIT_K=split,
+           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out.to(x.dtype) if split > 1 else out
+
+
+def _per_token_scale(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    return (x.float().abs().amax(dim=-1, keepdim=True) / divisor).clamp(min=1e-12)
+
+
+def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                  input_scale: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``fp8_scaled_mm`` op: ``x [.., K]`` quantized to float8_e4m3fn (per token, or with the
+    static ``input_scale``), ``torch._scaled_mm`` with row-wise scales ``[M, 1] x [1, N]``."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    m = x2.shape[0]
+    scale_a = _per_token_scale(x2, FP8_MAX) if input_scale is None else input_scale.float().reshape(1, 1).expand(m, 1)
+    x_q = (x2.float() / scale_a).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    # NOTE: row-wise scaling wants a bf16 output on Hopper; fp32 models get their result cast back
+    out = torch._scaled_mm(x_q, weight.t(), scale_a=scale_a.contiguous(), scale_b=weight_scale.float().reshape(1, -1),
+                           out_dtype=out_dtype)
+    out = out.to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*shape[:-1], weight.shape[0])
+
+
+def int8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   input_scale: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``int8_scaled_mm`` op: per-token (or static) int8 activations, ``torch._int_mm`` (int32
+    accumulation; it needs more than 16 rows, so short batches are padded), then the scales."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    m = x2.shape[0]
+    scale_a = (_per_token_scale(x2, INT8_SCALE_DIVISOR) if input_scale is None
+               else input_scale.float().reshape(1, 1).expand(m, 1))
+    x_q = torch.round(x2.float() / scale_a).clamp(-128, 127).to(torch.int8)
+    rows = max(32, -(-m // 8) * 8)
+    if rows != m:
+        x_q = torch.nn.functional.pad(x_q, (0, 0, 0, rows - m))
+    acc = torch._int_mm(x_q, weight.t())[:m]
+    out = (acc.float() * scale_a * weight_scale.float().reshape(1, -1)).to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*shape[:-1], weight.shape[0])

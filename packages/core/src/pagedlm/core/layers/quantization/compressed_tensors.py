@@ -1,0 +1,249 @@
+"""compressed-tensors checkpoints (what llm-compressor writes), read as stored on disk.
+
+``config.json``'s ``quantization_config`` holds ``config_groups`` (each: ``targets``, ``weights``,
+``input_activations``, optionally its own ``format``), a global ``format`` and an ``ignore`` list.
+Supported, per group:
+
+- ``pack-quantized``: int4 / int8 weights packed 32 // bits to an int32 along the input
+  (``weight_packed [N, K // pack]``), ``weight_scale [N, K // G]`` (or ``[N, 1]`` per channel),
+  asymmetric ``weight_zero_point [N // pack, K // G]`` packed along the output, optional
+  ``weight_g_idx [K]`` (``actorder: group``): W4A16 / W8A16, group-wise or per channel.
+- ``float-quantized``: float8_e4m3 ``weight [N, K]`` with a per-channel or per-tensor scale and
+  FP8 activations, dynamic per token or a static per-tensor ``input_scale`` (W8A8 FP8), or none.
+- ``int-quantized`` / ``naive-quantized``: int8 ``weight [N, K]``, per-channel or per-tensor scale,
+  int8 activations dynamic per token or static per tensor (W8A8 INT8), or none (W8A16).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedlm.core.layers.quantization.base_config import (
+    QuantizationConfig,
+    QuantizeMethodBase,
+    matches_module_name,
+    shard_names,
+)
+from pagedlm.core.layers.quantization.schemes import (
+    W8A8LinearMethod,
+    WNA16LinearMethod,
+    new_param,
+    same_for_every_shard,
+)
+from pagedlm.core.layers.quantization.utils import unpack_cols, unpack_rows
+
+__all__ = ["CompressedTensorsConfig", "CompressedTensorsWNA16"]
+
+FORMATS = ("pack-quantized", "float-quantized", "int-quantized", "naive-quantized")
+WEIGHT_STRATEGIES = ("channel", "group", "tensor")
+
+
+class CompressedTensorsWNA16(WNA16LinearMethod):
+    """``pack-quantized`` integer weights (W4A16 / W8A16), converted to the ``wna16_gemm`` layout."""
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype,
+                       **extra_weight_attrs: Any) -> None:
+        n, k = sum(output_partition_sizes), input_size_per_partition
+        groups, sharded = self._groups(layer, k, input_size)
+        pack = self.pack_factor
+        new_param(layer, "weight_packed", (n, k // pack), torch.int32, output_dim=0, input_dim=1, packed_dim=1,
+                  packed_factor=pack, **extra_weight_attrs)
+        scale_in = 1 if sharded else None
+        new_param(layer, "weight_scale", (n, groups), params_dtype, output_dim=0, input_dim=scale_in,
+                  **extra_weight_attrs)
+        new_param(layer, "weight_shape", (2,), torch.int64, dummy_init=_shape_init(output_size, input_size),
+                  **extra_weight_attrs)
+        if not self.symmetric:
+            if n % pack:
+                raise ValueError(f"{layer.prefix}: {n} output features per rank are not a multiple of {pack} "
+                                 "(zero points are packed along the output)")
+            new_param(layer, "weight_zero_point", (n // pack, groups), torch.int32, output_dim=0, input_dim=scale_in,
+                      packed_dim=0, packed_factor=pack, **extra_weight_attrs)
+        if self.act_order:
+            g_idx = new_param(layer, "weight_g_idx", (k,), torch.int32, input_dim=0,
+                              dummy_init=_g_idx_init(self.group_size), **extra_weight_attrs)
+            same_for_every_shard(g_idx, f"{layer.prefix}.weight_g_idx")
+
+    def _unpack_checkpoint(self, layer: nn.Module):
+        n, k = layer.weight_packed.shape[0], layer.input_size_per_partition
+        q = unpack_cols(layer.weight_packed.data, self.bits, k).t()  # [K_r, N_r] unsigned
+        scales = layer.weight_scale.data.t()
+        zeros = None
+        if not self.symmetric:
+            zeros = unpack_rows(layer.weight_zero_point.data, self.bits, n).t()
+        g_idx = layer.weight_g_idx.data if self.act_order else None
+        return q, scales, zeros, g_idx, ["weight_packed", "weight_scale", "weight_shape", "weight_zero_point",
+                                         "weight_g_idx"]
+
+
+class CompressedTensorsW8A16Int(WNA16LinearMethod):
+    """``naive-quantized`` / ``int-quantized`` int8 weights with no activation quantization."""
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype,
+                       **extra_weight_attrs: Any) -> None:
+        n, k = sum(output_partition_sizes), input_size_per_partition
+        groups, sharded = self._groups(layer, k, input_size)
+        new_param(layer, "weight", (n, k), torch.int8, output_dim=0, input_dim=1, **extra_weight_attrs)
+        new_param(layer, "weight_scale", (n, groups), params_dtype, output_dim=0, input_dim=1 if sharded else None,
+                  **extra_weight_attrs)
+
+    def _unpack_checkpoint(self, layer: nn.Module):
+        q = (layer.weight.data.to(torch.int32) + 128).t()
+        return q, layer.weight_scale.data.t(), None, None, ["weight", "weight_scale"]
+
+
+def _shape_init(out: int, inp: int):
+    def init(param: torch.Tensor, gen: torch.Generator) -> None:
+        param.data.copy_(torch.tensor([out, inp]))
+    return init
+
+
+def _g_idx_init(group_size: int):
+    def init(param: torch.Tensor, gen: torch.Generator) -> None:
+        param.data.copy_(torch.arange(param.shape[0], device=param.device) // group_size)
+    return init
+
+
+class CompressedTensorsConfig(QuantizationConfig):
+    """The ``compressed-tensors`` method (module docstring)."""
+
+    def __init__(self, config_groups: dict[str, dict[str, Any]], ignore: list[str], global_format: str | None,
+                 kv_cache_scheme: dict[str, Any] | None = None) -> None:
+        self.config_groups = config_groups
+        self.ignore = list(ignore)
+        self.global_format = global_format
+        self.kv_cache_scheme = kv_cache_scheme
+        for name, group in config_groups.items():
+            self._check_group(name, group)
+        if not any(matches_module_name("lm_head", p) for p in self.ignore) and self._group_of("lm_head"):
+            raise ValueError("this compressed-tensors checkpoint quantizes lm_head, which pagedlm does not support "
+                             "yet; supported: checkpoints whose ignore list holds lm_head (llm-compressor's default)")
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "compressed-tensors"
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 80
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> CompressedTensorsConfig:
+        groups = config.get("config_groups")
+        if not groups:
+            raise ValueError("compressed-tensors quantization_config has no config_groups; a checkpoint written by "
+                             "llm-compressor / compressed-tensors has them")
+        if config.get("sparsity_config"):
+            raise ValueError("compressed-tensors sparsity (sparsity_config) is not supported; supported formats: "
+                             f"{', '.join(FORMATS)}")
+        return cls(dict(groups), list(config.get("ignore") or []), config.get("format"),
+                   config.get("kv_cache_scheme"))
+
+    @classmethod
+    def get_dummy_config(cls) -> dict[str, Any]:
+        """W4A16: symmetric int4 weights in groups of 128 (what llm-compressor's W4A16 preset writes)."""
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                    "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}}}}
+
+    # -- parsing and checking --------------------------------------------------------------------
+    def _format(self, group: dict[str, Any]) -> str:
+        return str(group.get("format") or self.global_format or "dense")
+
+    def _check_group(self, name: str, group: dict[str, Any]) -> None:
+        fmt = self._format(group)
+        if fmt not in FORMATS:
+            raise ValueError(f"compressed-tensors format {fmt!r} (config_groups.{name}) is not supported; "
+                             f"supported: {', '.join(FORMATS)}")
+        weights = group.get("weights") or {}
+        bits, kind = weights.get("num_bits"), weights.get("type", "int")
+        strategy = weights.get("strategy")
+        if strategy not in WEIGHT_STRATEGIES:
+            raise ValueError(f"compressed-tensors weight strategy {strategy!r} (config_groups.{name}) is not "
+                             f"supported; supported: {', '.join(WEIGHT_STRATEGIES)}")
+        if fmt == "pack-quantized":
+            if kind != "int" or bits not in (4, 8):
+                raise ValueError(f"compressed-tensors pack-quantized {kind}{bits} weights (config_groups.{name}) are "
+                                 "not supported; supported: int4, int8")
+            if strategy == "group" and not weights.get("group_size"):
+                raise ValueError(f"config_groups.{name}: strategy 'group' needs a group_size")
+            if strategy == "tensor":
+                raise ValueError(f"config_groups.{name}: pack-quantized per-tensor weights are not supported; "
+                                 "supported strategies: channel, group")
+            if group.get("input_activations"):
+                raise ValueError(f"config_groups.{name}: activation quantization with packed int weights is not "
+                                 "supported; supported: W4A16, W8A16")
+            return
+        if bits != 8 or kind not in ("float", "int") or (fmt == "float-quantized") != (kind == "float"):
+            raise ValueError(f"compressed-tensors {fmt} {kind}{bits} weights (config_groups.{name}) are not supported; "
+                             "supported: float8 (float-quantized), int8 (int-quantized, naive-quantized)")
+        if strategy == "group":
+            raise ValueError(f"config_groups.{name}: group-wise 8-bit {kind} weights are not supported; supported "
+                             "strategies: channel, tensor")
+        if not weights.get("symmetric", True):
+            raise ValueError(f"config_groups.{name}: asymmetric 8-bit weights are not supported (symmetric only)")
+        acts = group.get("input_activations")
+        if acts:
+            if acts.get("num_bits") != 8 or acts.get("type", "int") != kind:
+                raise ValueError(f"config_groups.{name}: {acts.get('type')}{acts.get('num_bits')} activations with "
+                                 f"{kind}8 weights are not supported; supported: {kind}8")
+            if not acts.get("symmetric", True):
+                raise ValueError(f"config_groups.{name}: asymmetric activations are not supported (symmetric only)")
+            dynamic, act_strategy = acts.get("dynamic"), acts.get("strategy")
+            if not ((dynamic and act_strategy == "token") or (not dynamic and act_strategy == "tensor")):
+                raise ValueError(f"config_groups.{name}: {'dynamic' if dynamic else 'static'} {act_strategy} "
+                                 "activation scales are not supported; supported: dynamic per token, static per tensor")
+
+    def _group_of(self, name: str) -> tuple[str, dict[str, Any]] | None:
+        """The config group whose targets match module ``name`` (a target ``"Linear"`` matches every
+        linear layer), or None when the module is ignored or matched by no group."""
+        if any(matches_module_name(name, p) for p in self.ignore):
+            return None
+        for key, group in self.config_groups.items():
+            for target in group.get("targets") or []:
+                if target == "Linear" or matches_module_name(name, target):
+                    return key, group
+        return None
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        found = {part: self._group_of(part) for part in shard_names(prefix, self.packed_modules_mapping)}
+        keys = {None if g is None else g[0] for g in found.values()}
+        if len(keys) > 1:
+            raise ValueError(f"compressed-tensors: the modules fused into {prefix} ({', '.join(found)}) are quantized "
+                             "differently (ignore list / config groups); pagedlm needs one scheme per fused layer")
+        match = next(iter(found.values()))
+        if match is None:
+            return None
+        return self._method(match[1])
+
+    def _method(self, group: dict[str, Any]) -> QuantizeMethodBase:
+        fmt, weights, acts = self._format(group), group["weights"], group.get("input_activations")
+        strategy = weights.get("strategy")
+        if fmt == "pack-quantized":
+            group_size = int(weights["group_size"]) if strategy == "group" else -1
+            return CompressedTensorsWNA16(bits=int(weights["num_bits"]), group_size=group_size,
+                                          symmetric=bool(weights.get("symmetric", True)),
+                                          act_order=weights.get("actorder") == "group")
+        kind = "fp8" if fmt == "float-quantized" else "int8"
+        if acts is None and kind == "int8":
+            return CompressedTensorsW8A16Int(bits=8, group_size=-1, symmetric=True)
+        return W8A8LinearMethod(kind=kind, per_channel=strategy == "channel",
+                                static_input=bool(acts) and not acts.get("dynamic"), act_quant=acts is not None)
+
+    def get_cache_scale(self, name: str) -> str | None:
+        """``...self_attn.k_proj.output_scale`` (a ``kv_cache_scheme`` checkpoint) -> ``...self_attn.attn.k_scale``."""
+        for proj, scale in (("k_proj", "k_scale"), ("v_proj", "v_scale")):
+            suffix = f".{proj}.output_scale"
+            if name.endswith(suffix):
+                return name[: -len(suffix)] + f".attn.{scale}"
+        return None
+
+    def describe(self) -> str:
+        schemes = sorted({f"{self._format(g)}:{g['weights'].get('type')}{g['weights'].get('num_bits')}"
+                          for g in self.config_groups.values()})
+        return f"compressed-tensors ({', '.join(schemes)})"

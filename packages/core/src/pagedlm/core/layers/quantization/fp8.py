@@ -1,0 +1,100 @@
+"""The ``fp8`` method: FP8 checkpoints (``quant_method: fp8``) and online FP8 quantization.
+
+- A checkpoint saved in FP8 (``is_checkpoint_fp8_serialized``) stores float8_e4m3 ``weight [N, K]``
+  with a per-tensor ``weight_scale`` per stacked tensor and, for ``activation_scheme: static``,
+  an ``input_scale``.
+- ``quantization="fp8"`` on a bf16/fp16/fp32 checkpoint quantizes each weight as it loads: the
+  layer's parameter is float8 from the start; each checkpoint tensor gets a per-tensor scale
+  ``amax / 448`` (taken over the whole checkpoint tensor, so every tensor-parallel rank quantizes
+  alike) kept per output row, so peak memory stays near the FP8 size. Activations are quantized
+  dynamically per token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedlm.core.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from pagedlm.core.layers.quantization.schemes import W8A8LinearMethod, new_param
+from pagedlm.core.layers.quantization.utils import FP8_DTYPE, FP8_MAX
+
+__all__ = ["Fp8Config", "Fp8OnlineLinearMethod"]
+
+ACTIVATION_SCHEMES = ("static", "dynamic")
+
+
+class Fp8OnlineLinearMethod(W8A8LinearMethod):
+    """Quantizes full-precision checkpoint tensors to FP8 while they load (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__(kind="fp8", per_channel=True, static_input=False)
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype,
+                       **extra_weight_attrs: Any) -> None:
+        n = sum(output_partition_sizes)
+        scale = new_param(layer, "weight_scale", (n,), torch.float32, optional_in_checkpoint=True,
+                          dummy_init=_dummy_scale)
+        scale.data.fill_(1.0)
+
+        def load_shard(dst: torch.Tensor, src: torch.Tensor, full: torch.Tensor, offset: int, size: int) -> None:
+            if tuple(dst.shape) != tuple(src.shape):
+                raise ValueError(f"{layer.prefix}: checkpoint tensor has shape {tuple(src.shape)}, this rank's "
+                                 f"parameter expects {tuple(dst.shape)}")
+            amax = full.float().abs().amax().clamp(min=1e-12)
+            s = amax / FP8_MAX
+            dst.copy_((src.to(dst.device).float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))
+            scale.data[offset : offset + size] = s.to(scale.device)
+
+        new_param(layer, "weight", (n, input_size_per_partition), FP8_DTYPE, output_dim=0, input_dim=1,
+                  **extra_weight_attrs)
+        layer.weight.load_shard = load_shard
+
+
+def _dummy_scale(param: torch.Tensor, gen: torch.Generator) -> None:
+    param.data.fill_(1e-3)
+
+
+class Fp8Config(QuantizationConfig):
+    def __init__(self, is_checkpoint_fp8_serialized: bool = False, activation_scheme: str = "dynamic",
+                 ignored_layers: list[str] | None = None) -> None:
+        if activation_scheme not in ACTIVATION_SCHEMES:
+            raise ValueError(f"fp8 activation_scheme={activation_scheme!r} is not supported; supported: "
+                             f"{', '.join(ACTIVATION_SCHEMES)}")
+        if not is_checkpoint_fp8_serialized and activation_scheme == "static":
+            raise ValueError("fp8 with activation_scheme='static' needs an FP8 checkpoint (its input scales)")
+        self.is_checkpoint_fp8_serialized = is_checkpoint_fp8_serialized
+        self.activation_scheme = activation_scheme
+        self.ignored_layers = list(ignored_layers or [])
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "fp8"
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 89
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Fp8Config:
+        if config.get("weight_block_size"):
+            raise ValueError(f"fp8 block-wise weights (weight_block_size={config['weight_block_size']}) are not "
+                             "supported; supported: per-tensor scales, or online quantization")
+        serialized = "fp8" in str(config.get("quant_method", ""))
+        return cls(is_checkpoint_fp8_serialized=serialized,
+                   activation_scheme=str(config.get("activation_scheme", "dynamic")),
+                   ignored_layers=config.get("ignored_layers") or config.get("modules_to_not_convert"))
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if any(name in prefix for name in self.ignored_layers):
+            return None
+        if not self.is_checkpoint_fp8_serialized:
+            return Fp8OnlineLinearMethod()
+        return W8A8LinearMethod(kind="fp8", per_channel=False, static_input=self.activation_scheme == "static")
+
+    def describe(self) -> str:
+        how = "checkpoint" if self.is_checkpoint_fp8_serialized else "online"
+        return f"fp8 ({how}, {self.activation_scheme} activations)"

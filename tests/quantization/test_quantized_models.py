@@ -1,0 +1,145 @@
+"""Quantized checkpoints end to end on the CPU against HF transformers on the same files.
+
+Weight-only formats must give HF's greedy tokens (near-ties forgiven and counted, as in
+tests/e2e). HF reads compressed-tensors through the compressed-tensors package; transformers 5
+cannot load asymmetric pack-quantized files, and reads GPTQ/AWQ only through optimum + gptqmodel /
+autoawq (CUDA builds), so those are compared with HF on the dequantized weights of the same files.
+
+W8A8 (FP8, INT8) quantizes activations too, which is discontinuous: each layer's output matches
+HF's to ~1e-6, but that much noise moves some activations across an FP8/INT8 rounding boundary,
+and the flips add up over the layers (this tiny model's logits move by up to ~0.6 for tokens of
+rank 2-5). Metric: greedy tokens identical except near-ties (HF top-2 logit gap < 0.25; at most
+one forgiven per format) and, before any difference, the chosen token's logprob within 0.25 of
+HF's (measured: at most ~0.1).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedlm.core import LLM, SamplingParams
+from pagedlm.core.testing import assert_greedy_matches_hf
+
+MAX_NEW = 16
+WEIGHT_ONLY = ["w4a16", "w4a16-channel", "w8a16", "w4a16-asym", "gptq", "gptq-act-order", "gptq-8bit-asym", "awq"]
+W8A8 = ["fp8-dynamic", "fp8-static", "w8a8-int8"]
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    base = [rng.randrange(4, 500) for _ in range(40)]
+    return [base[:40], base[:20] + [7, 8, 9], [rng.randrange(4, 500) for _ in range(3)],
+            [rng.randrange(4, 500) for _ in range(57)]]
+
+
+@pytest.mark.parametrize("name", WEIGHT_ONLY)
+def test_weight_only_matches_hf(name, quant_checkpoints, capsys):
+    model_dir, reference = quant_checkpoints[name]
+    from pagedlm.core.testing import hf_greedy
+
+    ref = hf_greedy(reference, prompts(), MAX_NEW)
+    llm = LLM(model=model_dir, dtype="float32", device="cpu")
+    assert llm.vllm_config.quant_config is not None
+    forgiven = assert_greedy_matches_hf(model_dir, prompts(), MAX_NEW, llm=llm, reference=ref, logprobs=5,
+                                        logprob_atol=1e-3)
+    with capsys.disabled():
+        print(f"\n[{name}] near-ties forgiven: {forgiven}")
+    assert forgiven <= 1
+
+
+@pytest.mark.parametrize("name", W8A8)
+def test_w8a8_close_to_hf(name, quant_checkpoints):
+    model_dir, reference = quant_checkpoints[name]
+    forgiven = assert_greedy_matches_hf(model_dir, prompts(), MAX_NEW, tie_tol=0.25, logprobs=0, logprob_atol=0.25)
+    assert forgiven <= 1
+
+
+def test_online_fp8_matches_compressed_tensors_per_tensor_fp8(quant_base, tmp_path):
+    """quantization="fp8" on a full-precision checkpoint = per-tensor FP8 weights (amax / 448 of each
+    checkpoint tensor) and dynamic per-token FP8 activations: HF on the same quantization written
+    by compressed-tensors is the reference."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.quantization import QuantizationStrategy
+    from compressed_tensors.quantization import quant_scheme as qs
+
+    from pagedlm.core.testing import hf_greedy
+    from pagedlm.core.testing.quantized import make_compressed_tensors_checkpoint
+
+    preset = dict(qs.PRESET_SCHEMES["FP8_DYNAMIC"])
+    weights = preset["weights"].model_copy(update={"strategy": QuantizationStrategy.TENSOR})
+    qs.PRESET_SCHEMES["FP8_PER_TENSOR_TEST"] = {**preset, "weights": weights}
+    try:
+        ref_dir = make_compressed_tensors_checkpoint(quant_base, tmp_path / "ct", "FP8_PER_TENSOR_TEST")
+    finally:
+        del qs.PRESET_SCHEMES["FP8_PER_TENSOR_TEST"]
+    ref = hf_greedy(ref_dir, prompts(), MAX_NEW)
+    llm = LLM(model=quant_base, dtype="float32", device="cpu", quantization="fp8")
+    forgiven = assert_greedy_matches_hf(quant_base, prompts(), MAX_NEW, llm=llm, reference=ref, tie_tol=0.25,
+                                        logprobs=0, logprob_atol=0.25)
+    assert forgiven <= 1
+    model = llm.llm_engine.core.executor.worker.model_runner.model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype.is_floating_point and qkv.weight.element_size() == 1
+
+
+def _tp_tokens(model_dir: str, tp: int, **extra) -> list:
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=5)
+    llm = LLM(model=model_dir, dtype="float32", device="cpu", tensor_parallel_size=tp, **extra)
+    try:
+        return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts()], params,
+                                                   use_tqdm=False)]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym", "gptq-act-order", "awq"])
+def test_tensor_parallel_weight_only_gives_single_rank_tokens(name, quant_checkpoints):
+    """TP=2 (gloo, two worker processes) gives exactly TP=1's tokens: packed weights, scales, zero
+    points and g_idx are sharded by the layers' loaders."""
+    model_dir = quant_checkpoints[name][0]
+    one, two = _tp_tokens(model_dir, 1), _tp_tokens(model_dir, 2)
+    assert [o.token_ids for o in one] == [o.token_ids for o in two]
+
+
+@pytest.mark.parametrize("name", ["fp8-dynamic", "fp8-static", "w8a8-int8", "online-fp8"])
+def test_tensor_parallel_w8a8_gives_single_rank_tokens(name, quant_checkpoints, quant_base, capsys):
+    """TP=2 gives TP=1's tokens, except at near-ties: a row-parallel rank quantizes its half of each
+    activation row with that half's own dynamic scale (as vLLM does), which moves logprobs by
+    quantization noise (up to ~0.5 on this model). A first difference is forgiven where TP=1's two
+    best tokens were within 1.0 in logprob (counted and printed; per-channel FP8 on this model has
+    a near-tie in most prompts); one at a larger gap fails."""
+    if name == "online-fp8":
+        model_dir, extra = quant_base, {"quantization": "fp8"}
+    else:
+        model_dir, extra = quant_checkpoints[name][0], {}
+    one, two = _tp_tokens(model_dir, 1, **extra), _tp_tokens(model_dir, 2, **extra)
+    forgiven, problems = 0, []
+    for i, (a, b) in enumerate(zip(one, two)):
+        step = next((s for s, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if step is None:
+            continue
+        lps = sorted((lp.logprob for lp in a.logprobs[step].values()), reverse=True)
+        chosen = a.logprobs[step][a.token_ids[step]].logprob
+        other = a.logprobs[step].get(b.token_ids[step])
+        gap = chosen - other.logprob if other is not None else float("inf")
+        if gap < 1.0:
+            forgiven += 1
+        else:
+            problems.append(f"prompt {i} step {step}: TP=1 {a.token_ids}, TP=2 {b.token_ids} (gap {gap:.3f}, {lps})")
+    with capsys.disabled():
+        print(f"\n[{name}] TP=2 vs TP=1 near-ties forgiven: {forgiven}")
+    assert not problems, problems
+
+
+def test_weights_take_the_quantized_size(quant_checkpoints, quant_base):
+    def weight_bytes(model_dir: str, **kw) -> int:
+        llm = LLM(model=model_dir, dtype="float32", device="cpu", **kw)
+        return llm.llm_engine.core.executor.worker.model_runner.model.weight_memory_bytes
+
+    full = weight_bytes(quant_base)
+    w4 = weight_bytes(quant_checkpoints["w4a16"][0])
+    fp8 = weight_bytes(quant_base, quantization="fp8")
+    # embeddings and lm_head stay float32 in these tiny models; the linear layers shrink 8x / 4x
+    assert w4 < 0.6 * full and fp8 < 0.7 * full, (full, w4, fp8)
