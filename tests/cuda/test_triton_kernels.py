@@ -306,3 +306,39 @@ def test_flash_attn_declares_its_page_size_and_no_graphs():
     FlashAttentionBackend.validate(head_size=128, dtype=torch.bfloat16, block_size=256)
     with pytest.raises(ValueError, match="'flash_attn' needs block_size to be a multiple of 256; got block_size=16"):
         FlashAttentionBackend.validate(head_size=128, dtype=torch.bfloat16, block_size=16)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("reqs", [MIXED, DECODES], ids=["mixed", "decode"])
+def test_fp8_cache_reads_as_its_dequantized_values(device, reqs, num_splits):
+    """An FP8 cache (stored = value / scale) gives what a bf16 cache holding the dequantized values
+    gives: the kernel rescales each tile to the query's dtype and changes nothing else. (The write
+    is checked against the CPU backend in test_quant_kernels.py; here the reference cache is what
+    the FP8 step stored, dequantized.)"""
+    from pagedlm.backends.cuda.triton_attn import TritonAttentionImpl, TritonAttentionMetadataBuilder
+
+    shape = dict(num_heads=8, num_kv_heads=2, head_size=64)
+    case = make_case(reqs, block_size=16, dtype=torch.bfloat16, seed=3, **shape)
+    scales = torch.tensor([0.02]), torch.tensor([0.05])
+    fp8_cache = torch.stack([(case.kv_cache[i].float() / scales[i]).clamp(-448, 448).to(torch.float8_e4m3fn)
+                             for i in range(2)])
+
+    def run(cache, key, value, fp8_kv):
+        builder = TritonAttentionMetadataBuilder(block_size=16, device=device)
+        builder.num_kv_heads = 2
+        meta = builder.build(to_device(case.common, device))
+        meta.num_splits = num_splits
+        impl = TritonAttentionImpl(scale=64**-0.5, **shape)
+        if fp8_kv:
+            impl.kv_cache_dtype, impl.k_scale, impl.v_scale = "fp8", scales[0].to(device), scales[1].to(device)
+        cache = cache.to(device)
+        out = impl.forward(case.query.to(device), key.to(device), value.to(device), cache, meta)
+        return out.float().cpu(), cache.cpu()
+
+    out_fp8, stored = run(fp8_cache, case.key, case.value, True)
+    dequantized = torch.stack([stored[i].float() * scales[i] for i in range(2)]).to(torch.bfloat16)
+    flat = dequantized.view(2, -1, 2, 64)
+    out_ref, _ = run(dequantized, flat[0, case.new_slots], flat[1, case.new_slots], False)
+    assert torch.isfinite(out_fp8).all()
+    assert (stored.view(2, -1, 2, 64)[0, case.new_slots].float() != 0).any()  # this step's keys were written
+    torch.testing.assert_close(out_fp8, out_ref, atol=1e-2, rtol=1e-2)

@@ -349,7 +349,7 @@ class CudaModelRunner(ModelRunner):
         caches = {name: layer.kv_cache for name, layer in self.attention_layers.items()}
         for layer in self.attention_layers.values():
             shape = self.attn_backend.get_kv_cache_shape(1, self.block_size, layer.num_kv_heads, layer.head_size)
-            layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         try:
             with compile_only() as stats:
                 with set_forward_context(None):

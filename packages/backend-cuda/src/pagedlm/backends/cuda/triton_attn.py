@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedlm.backends.cuda.kernels.kv_cache_fp8 import write_kv_fp8
 from pagedlm.backends.cuda.kernels.paged_attention import (
     INTERPRET,
     choose_num_splits,
@@ -160,8 +161,10 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         if num_tokens == 0:
             return out
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        write_kv_cache(key[:num_tokens], value[:num_tokens], key_cache, value_cache,
-                       metadata.slot_mapping[:num_tokens])
+        fp8 = self.kv_cache_dtype != "auto"
+        write = write_kv_fp8 if fp8 else write_kv_cache
+        write(key[:num_tokens], value[:num_tokens], key_cache, value_cache, metadata.slot_mapping[:num_tokens],
+              *((self.k_scale, self.v_scale) if fp8 else ()))
         paged_attention(
             out, query, key_cache, value_cache,
             block_table=metadata.block_table, seq_lens=metadata.seq_lens,
@@ -169,6 +172,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             max_query_len=metadata.max_query_len, scale=self.scale, sliding_window=self.sliding_window,
             soft_cap=self.logits_soft_cap, num_splits=metadata.num_splits, req_order=metadata.req_order,
             config=self.kernel_config,
+            k_scale=self.k_scale if fp8 else None, v_scale=self.v_scale if fp8 else None,
         )
         return out
 
@@ -182,6 +186,8 @@ class TritonAttentionBackend(AttentionBackend):
     #: the CPU too under Triton's interpreter (kernel tests without a GPU)
     supported_devices = ("cuda", "cpu") if INTERPRET else ("cuda",)
     supports_graphs = True
+    #: float8_e4m3fn with per-layer scales: written by kernels/kv_cache_fp8.py, read rescaled
+    supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3")
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:

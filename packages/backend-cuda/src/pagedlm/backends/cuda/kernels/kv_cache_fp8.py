@@ -5,18 +5,9 @@
 (``impl.k_scale``, ``impl.v_scale``, ``impl.kv_cache_dtype``). The CPU backend implements it
 fully (pagedlm.backends.cpu.attention) and is the reference.
 
-FOR THE LEAD (triton_attn.py and paged_attention.py are being changed elsewhere, so they are not
-touched here): to let the ``triton`` backend read an FP8 cache,
-
-1. in ``TritonAttentionImpl.forward``, when ``self.kv_cache_dtype != "auto"``, write this step's
-   K/V with :func:`write_kv_fp8` below instead of ``write_kv``;
-2. pass ``k_scale`` / ``v_scale`` (device scalars) to ``_paged_attention_kernel`` and, where it
-   loads a key tile and a value tile, convert and rescale them before the dot products:
-   ``k = tl.load(...).to(tl.float32) * k_scale`` then ``.to(q.dtype)`` (and the same for ``v``)
-   -- the softmax and accumulation are unchanged;
-3. add ``supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3")`` to ``TritonAttentionBackend``
-   and allocate the compile-time stand-in caches of ``CudaModelRunner.compile_kernels`` with
-   ``self.kv_cache_dtype`` (core's runner allocates the real cache in that dtype already).
+The ``triton`` backend writes this step's K/V with :func:`write_kv_fp8` and its attention
+kernel rescales each loaded key and value tile to the query's dtype (``FP8_KV``); softmax and
+accumulation are unchanged.
 
 ``tests/cuda/test_quant_kernels.py`` checks :func:`write_kv_fp8` against the CPU backend's write.
 """

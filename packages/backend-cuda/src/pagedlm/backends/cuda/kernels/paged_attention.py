@@ -81,7 +81,7 @@ def _tile_start(query_start_loc_ptr, req, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, req_order_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, k_scale_ptr, v_scale_ptr,
     num_reqs, num_heads, scale, soft_cap, sliding_window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -89,7 +89,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DECODE_ONLY: tl.constexpr, ORDERED: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr, FP8_KV: tl.constexpr,
 ):
     split = tl.program_id(2)
 
@@ -162,6 +162,9 @@ def _paged_attention_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
         bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
         head_off = kv_head * HEAD_SIZE
+        if FP8_KV:  # stored = value / scale
+            k_scale = tl.load(k_scale_ptr)
+            v_scale = tl.load(v_scale_ptr)
         for start in range(kv_lo, kv_hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             pos_valid = pos < kv_hi
@@ -170,6 +173,8 @@ def _paged_attention_kernel(
             kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD_SIZE) + head_off + d[None, :]
             kv_mask = pos_valid[:, None] & d_valid[None, :]
             k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            if FP8_KV:
+                k = (k.to(tl.float32) * k_scale).to(q.dtype)
             if UPCAST_DOTS:
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
@@ -190,6 +195,8 @@ def _paged_attention_kernel(
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            if FP8_KV:
+                v = (v.to(tl.float32) * v_scale).to(q.dtype)
             p_v = p.to(v.dtype)  # P@V in the cache dtype, like every flash-attention kernel
             if UPCAST_DOTS:
                 p_v = p_v.to(tl.float32)
@@ -291,6 +298,8 @@ def paged_attention(
     num_splits: int = 1,
     req_order: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Attention of ``num_tokens`` flat query rows over the paged cache, written into ``out``.
 
@@ -306,6 +315,8 @@ def paged_attention(
         req_order: ``[B']`` int32, a permutation of the first ``num_reqs`` requests, longest context
             first; decode-only launches start their programs in this order (load balance)
         config: optional overrides of ``BLOCK_M``/``BLOCK_N``/``num_warps``/``num_stages``
+        k_scale, v_scale: ``[1]`` float32 with a float8 cache (stored = value / scale): the tiles
+            are rescaled to the query's dtype as they load; None for a cache in the query's dtype
     """
     if num_tokens == 0 or num_reqs == 0:
         return
@@ -337,12 +348,16 @@ def paged_attention(
     else:
         part_acc = part_max = part_sum = out  # unused
     fp32 = query.dtype == torch.float32
+    fp8_kv = key_cache.dtype != query.dtype
+    if fp8_kv and (k_scale is None or v_scale is None):
+        raise ValueError(f"a {key_cache.dtype} KV cache needs k_scale and v_scale")
     grid = (num_kv_heads, num_tiles, num_splits) if decode_only else (num_tiles, num_kv_heads, num_splits)
     ordered = decode_only and req_order is not None
     launch(
         _paged_attention_kernel, grid,
         out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
         req_order if ordered else seq_lens, part_acc, part_max, part_sum,
+        k_scale if fp8_kv else seq_lens, v_scale if fp8_kv else seq_lens,
         num_reqs, num_heads, float(scale), float(soft_cap or 1.0), int(sliding_window or 0),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
@@ -351,7 +366,7 @@ def paged_attention(
         USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=sliding_window is not None,
         # fp32 models are the HF-parity configuration: no tf32 rounding in the dots there
         DOT_PRECISION="ieee" if fp32 else "tf32",
-        UPCAST_DOTS=INTERPRET and query.dtype == torch.bfloat16,
+        UPCAST_DOTS=INTERPRET and query.dtype == torch.bfloat16, FP8_KV=fp8_kv,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
