@@ -49,3 +49,4 @@ def pagedlm_register_ops(register: Callable[..., None]) -> None:
     for op in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "qk_norm_rotary_embedding", "silu_and_mul"):
         register(op, "cuda", f"{_LAYER_OPS}:{op}")
     register("gumbel_sample", "cuda", "pagedlm.backends.cuda.kernels.sampling:gumbel_sample")
+    register("fused_experts", "cuda", "pagedlm.backends.cuda.kernels.fused_moe:fused_experts")
