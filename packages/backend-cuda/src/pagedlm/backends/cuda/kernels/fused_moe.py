@@ -19,7 +19,8 @@ summation order. The grids are sized from the input shapes (the padded total sta
 device), so the op launches the same work whatever the routing and a CUDA graph can capture it.
 
 Block sizes come from :func:`get_config` by token count; ``benchmarks/bench_fused_moe.py --sweep``
-measures the alternatives on a GPU. Registered for platform ``cuda`` as ``fused_experts`` by the
+measures the alternatives on a GPU. The start-up's compile pass (``launch.compile_only``) queues
+the variants of every entry of :data:`CONFIGS`, so no batch size compiles one later. Registered for platform ``cuda`` as ``fused_experts`` by the
 backend's ``pagedlm_register_ops`` (:mod:`pagedlm.backends.cuda.plugin`).
 """
 
@@ -32,17 +33,19 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedlm.backends.cuda.kernels.launch import launch
+from pagedlm.backends.cuda.kernels.launch import _COMPILE_ONLY, launch
 from pagedlm.core.layers.fused_moe.reference import moe_align_block_size
 
-__all__ = ["fused_experts", "get_config", "invoke_fused_moe_kernel"]
+__all__ = ["CONFIGS", "fused_experts", "get_config", "invoke_fused_moe_kernel"]
 
 # Triton 3.6's interpreter computes bf16 tl.dot wrongly (garbage, seen on CPU); under it the dots
 # take float32 copies of the same bf16 values instead (as paged_attention does). Never set on a GPU.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@triton.jit
+# NOTE: the pair counts change with every batch; specialising on them (divisibility by 16) would
+# compile a second variant at run time. N, K and the strides are the model's, fixed.
+@triton.jit(do_not_specialize=["num_valid_pairs", "EM"])
 def fused_moe_kernel(
     a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
     N, K, num_valid_pairs, EM,
@@ -119,24 +122,27 @@ def fused_moe_kernel(
     tl.store(c_ptrs, out, mask=c_mask)
 
 
+#: ``(largest mean number of pairs per expert, config)``, by increasing load. Few pairs per expert
+#: (decode): small row blocks, since an expert's weights are read once per row block of its pairs;
+#: many (prefill): larger tiles, for reuse. Tuned with ``benchmarks/bench_fused_moe.py --sweep``.
+CONFIGS: tuple[tuple[float, dict[str, int]], ...] = (
+    (16, {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}),
+    (64, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}),
+    (float("inf"), {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}),
+)
+
+
+def _for_dtype(cfg: dict[str, int], dtype: torch.dtype) -> dict[str, int]:
+    # float32: half the K block (twice the bytes per element in the same shared memory)
+    return {**cfg, "BLOCK_K": max(32, cfg["BLOCK_K"] // 2), "num_stages": 2} if dtype == torch.float32 else cfg
+
+
 def get_config(num_tokens: int, num_experts: int, inter: int, hidden: int, top_k: int,
                dtype: torch.dtype) -> dict[str, int]:
-    """Block sizes and launch options for a batch of ``num_tokens`` tokens.
-
-    Few tokens (decode): small row blocks, since most experts get a handful of rows and the
-    experts' weights are read once per row block; many tokens (prefill): larger tiles for reuse.
-    float32 halves the K block (twice the bytes per element, same shared memory).
-    """
+    """Block sizes and launch options for a batch of ``num_tokens`` tokens (:data:`CONFIGS`)."""
     pairs_per_expert = num_tokens * top_k / max(1, num_experts)
-    if pairs_per_expert <= 16:
-        cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
-    elif pairs_per_expert <= 64:
-        cfg = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
-    else:
-        cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
-    if dtype == torch.float32:
-        cfg = {**cfg, "BLOCK_K": max(32, cfg["BLOCK_K"] // 2), "num_stages": 2}
-    return cfg
+    cfg = next(c for limit, c in CONFIGS if pairs_per_expert <= limit)
+    return _for_dtype(cfg, dtype)
 
 
 def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor,
@@ -181,6 +187,13 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
             raise ValueError(f"fused_experts: {name} must be contiguous (the layer's parameter), got strides "
                              f"{w.stride()}")
     cfg = config or get_config(num_tokens, num_experts, inter, hidden, top_k, hidden_states.dtype)
+    if config is None and _COMPILE_ONLY.get():
+        # The start-up's compile pass runs one small batch; queue the variants of every batch size
+        # too, so that no later step (prefill chunks, graph capture) waits on a compile.
+        for _, other in CONFIGS:
+            other = _for_dtype(other, hidden_states.dtype)
+            if other != cfg:
+                fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, expert_map, other)
     sorted_token_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg["BLOCK_M"], num_experts, expert_map)
     pairs = num_tokens * top_k
     dtype, device = hidden_states.dtype, hidden_states.device
