@@ -34,8 +34,8 @@ import torch.nn.functional as F
 import triton.testing
 
 from pagedlm.backends.cuda.kernels.fused_moe import fused_experts, get_config
-from pagedlm.core.layers.fused_moe import fused_topk, moe_align_block_size
 from pagedlm.core.layers.fused_moe import fused_experts as core_fused_experts
+from pagedlm.core.layers.fused_moe import fused_topk, moe_align_block_size
 from pagedlm.core.testing.conformance.report import TOLERANCES
 
 #: name -> (experts, top_k, hidden, intermediate)
@@ -108,9 +108,9 @@ def correctness(shapes: list[str], tokens_list: list[int], dtypes: list[str]) ->
             row = {"shape": shape, "dtype": dname, "tokens": tokens,
                    **check(fused_experts(x, w13, w2, weights, ids), loop_reference(x, w13, w2, weights, ids), dtype)}
             rows.append(row)
+            verdict = "ok" if row["ok"] else "FAIL"
             print(f"  {shape:14s} {dname} T={tokens:5d}  max_err={row['max_abs_err']:.2e} "
-                  f"(|ref|<={row['max_ref']:.2f})  differing={row['mismatch_frac']:.3%}  {'ok' if row['ok'] else 'FAIL'}",
-                  flush=True)
+                  f"(|ref|<={row['max_ref']:.2f})  differing={row['mismatch_frac']:.3%}  {verdict}", flush=True)
         del w13, w2
         torch.cuda.empty_cache()
     return rows

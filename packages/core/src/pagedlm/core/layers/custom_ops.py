@@ -13,8 +13,8 @@ lookup, and models built for different platforms in one process each keep their 
 built outside :func:`use_ops` (most unit tests) runs core's torch code.
 
 Op names: :data:`OP_CONTRACTS` holds the contracts core's layers call; a change that adds a core
-op (a quantized GEMM, LoRA shrink/expand; ``fused_experts`` came with API 1.1) adds its contract there and bumps the minor
-``API_VERSION``. A plugin's own layers may call ops of their own under a dotted name
+op (a quantized GEMM, LoRA shrink/expand; ``fused_experts`` came with API 1.1) adds its contract
+there and bumps the minor ``API_VERSION``. A plugin's own layers may call ops of their own under a dotted name
 (``"myplugin.fused_gate"``), whose contract that plugin documents; any other name is an error.
 """
 

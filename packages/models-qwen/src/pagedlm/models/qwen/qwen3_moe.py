@@ -72,7 +72,8 @@ class Qwen3MoeDecoderLayer(PreNormDecoderLayer):
 
     def __init__(self, config: Any, prefix: str, layer_idx: int, quant_config: Any = None) -> None:
         super().__init__()
-        self.self_attn = Qwen3Attention(config, maybe_prefix(prefix, "self_attn"), layer_sliding_window(config, layer_idx))
+        self.self_attn = Qwen3Attention(config, maybe_prefix(prefix, "self_attn"),
+                                        layer_sliding_window(config, layer_idx))
         self.mlp: nn.Module
         if is_sparse_layer(config, layer_idx):
             self.mlp = Qwen3MoeSparseMoeBlock(config, maybe_prefix(prefix, "mlp"), quant_config)

@@ -20,7 +20,8 @@ device), so the op launches the same work whatever the routing and a CUDA graph 
 
 Block sizes come from :func:`get_config` by token count; ``benchmarks/bench_fused_moe.py --sweep``
 measures the alternatives on a GPU. The start-up's compile pass (``launch.compile_only``) queues
-the variants of every entry of :data:`CONFIGS`, so no batch size compiles one later. Registered for platform ``cuda`` as ``fused_experts`` by the
+the variants of every entry of :data:`CONFIGS`, so no batch size compiles one later. Registered
+for platform ``cuda`` as ``fused_experts`` by the
 backend's ``pagedlm_register_ops`` (:mod:`pagedlm.backends.cuda.plugin`).
 """
 
@@ -93,7 +94,7 @@ def fused_moe_kernel(
     b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+    for k0 in range(tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k0 * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)

@@ -100,6 +100,10 @@ class FusedMoE(nn.Module):
     (``ParallelConfig.enable_expert_parallel``); ``tp_size`` to the tensor-parallel group's size.
     """
 
+    #: created by the quantization method (``create_weights``)
+    w13_weight: nn.Parameter
+    w2_weight: nn.Parameter
+
     def __init__(
         self,
         num_experts: int,
@@ -226,7 +230,8 @@ class FusedMoE(nn.Module):
         return True
 
     # -- forward --------------------------------------------------------------------------------
-    def select_experts(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def select_experts(self, hidden_states: torch.Tensor,
+                       router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_weights [T, top_k] float32, topk_ids [T, top_k] int32 global ids)``."""
         if self.custom_routing_function is not None:
             return self.custom_routing_function(hidden_states, router_logits, self.top_k, self.renormalize)
