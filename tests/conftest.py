@@ -72,7 +72,7 @@ def tiny_checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callabl
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tiny_checkpoint_factory: Callable[..., str]) -> dict[str, str]:
-    """arch -> directory of a tiny random checkpoint, for llama, mistral, qwen2 and qwen3."""
+    """arch -> directory of a tiny random checkpoint, for every arch of ``ARCHITECTURES``."""
     from pagedlm.core.testing import ARCHITECTURES
 
     return {arch: tiny_checkpoint_factory(arch) for arch in ARCHITECTURES}

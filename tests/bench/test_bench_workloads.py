@@ -63,6 +63,8 @@ def test_percentiles_and_distribution():
     ("qwen3-0.6b", "Qwen3ForCausalLM", 0.596),
     ("llama-3.2-1b", "LlamaForCausalLM", 1.236),
     ("llama-3.1-8b", "LlamaForCausalLM", 8.030),
+    ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 30.5),
+    ("mixtral-8x7b", "MixtralForCausalLM", 46.7),
 ])
 def test_shipped_model_configs(tmp_path, name, arch, billions):
     import torch

@@ -16,7 +16,9 @@ import pytest
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = [] if INTERPRET else [pytest.mark.cuda]
 MAX_NEW = 24
-ARCHS = ["qwen3", "llama", "gemma3"]
+ARCHS = ["qwen3", "llama", "gemma3", "qwen3_moe", "mixtral"]
+#: the modes the mixture-of-experts checkpoints run in under the (slow) interpreter; all on a GPU
+MOE_INTERPRET_MODES = ("default", "chunked-tiny-budget")
 
 
 def prompts(seed: int = 0) -> list[list[int]]:
@@ -72,6 +74,8 @@ def references(tiny_checkpoints):
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_hf_fp32(arch, mode, tiny_checkpoints, references, engine_kwargs):
+    if INTERPRET and arch in ("qwen3_moe", "mixtral") and mode not in MOE_INTERPRET_MODES:
+        pytest.skip("MoE checkpoints run a subset of the modes in the interpreter")
     from pagedlm.core import LLM
     from pagedlm.core.testing import assert_greedy_matches_hf
 
@@ -117,7 +121,9 @@ def worst_logprob_error(llm, ps, refs) -> tuple[float, int]:
     return worst, steps
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+# NOTE: dense checkpoints only: in bf16 a near-tie of two experts' router scores can go either way
+# on either backend, which no bound from the reference backend's own error covers.
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma3"])
 def test_bf16_logprobs_close_to_hf(arch, tiny_checkpoints, references, engine_kwargs, monkeypatch):
     """bf16 logprobs vs HF's fp32 ones, within what bf16 itself costs on this checkpoint: the
     plain-torch reference backend in bf16 sets the bar (random tiny models amplify rounding; its

@@ -16,16 +16,17 @@ def _forget_compiled_kernels() -> None:
     still serves them, but each must be asked for again, so each shows in the hook."""
     import triton
 
-    from pagedlm.backends.cuda.kernels import layer_ops, paged_attention, sampling
+    from pagedlm.backends.cuda.kernels import fused_moe, layer_ops, paged_attention, sampling
 
-    for module in (layer_ops, paged_attention, sampling):
+    for module in (layer_ops, paged_attention, sampling, fused_moe):
         for obj in vars(module).values():
             if isinstance(obj, triton.runtime.JITFunction):
                 obj.device_caches.clear()
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])  # the MoE op picks its blocks by batch size
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-def test_no_kernel_compiles_after_start_up(tiny_checkpoints, device, enforce_eager):
+def test_no_kernel_compiles_after_start_up(tiny_checkpoints, device, enforce_eager, arch):
     if device.type != "cuda":
         pytest.skip("compiling is what the interpreter does not do")
     import triton
@@ -42,7 +43,7 @@ def test_no_kernel_compiles_after_start_up(tiny_checkpoints, device, enforce_eag
     previous = triton.knobs.runtime.jit_cache_hook
     triton.knobs.runtime.jit_cache_hook = record
     try:
-        llm = LLM(model=tiny_checkpoints["qwen3"], dtype="bfloat16", device="cuda", max_num_seqs=32,
+        llm = LLM(model=tiny_checkpoints[arch], dtype="bfloat16", device="cuda", max_num_seqs=32,
                   enforce_eager=enforce_eager)
         at_start = len(compiles)
         rng = random.Random(0)
@@ -64,6 +65,8 @@ def test_no_kernel_compiles_after_start_up(tiny_checkpoints, device, enforce_eag
     assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
     names = {name for name, _ in compiles}
     assert {"_paged_attention_kernel", "_rms_norm_kernel", "_gumbel_chunk_kernel"} <= names, names
+    if arch == "qwen3_moe":
+        assert "fused_moe_kernel" in names, names
     lazy = [name for name, warmup in compiles if not warmup]
     assert not lazy, f"compiled on first launch instead of at start-up: {lazy}"
     assert len(compiles) == at_start, f"compiled after start-up: {compiles[at_start:]}"

@@ -24,7 +24,7 @@ def fused(device):
 
     ops = custom_ops.registered_ops("cuda")
     assert set(ops) == {"rms_norm", "fused_add_rms_norm", "rotary_embedding", "qk_norm_rotary_embedding",
-                        "silu_and_mul", "gumbel_sample"}
+                        "silu_and_mul", "gumbel_sample", "fused_experts"}
     with custom_ops.use_ops(ops):
         yield ops
 

@@ -143,3 +143,16 @@ def test_hf_overrides_dict_callable_and_cli(tiny_llama, tiny_checkpoint_factory)
         ["--model", gemma, "--hf_overrides", '{"sliding_window": 4}'])
     config = EngineArgs.from_cli_args(args).create_vllm_config()
     assert config.model_config.hf_config.sliding_window == 4
+
+
+def test_enable_expert_parallel_is_vllms_option(tiny_checkpoint_factory):
+    """``LLM(enable_expert_parallel=True)`` is accepted as vLLM's (and is a no-op on one rank, as
+    there); tests/distributed/test_dist_moe.py runs it across ranks."""
+    from pagedlm.core import LLM, SamplingParams
+
+    llm = LLM(model=tiny_checkpoint_factory("mixtral"), dtype="float32", device="cpu", enable_expert_parallel=True)
+    assert llm.llm_engine.vllm_config.parallel_config.enable_expert_parallel is True
+    moe = llm.llm_engine.core.executor.worker.model_runner.model.model.layers[0].block_sparse_moe.experts
+    assert (moe.ep_size, moe.local_num_experts) == (1, moe.global_num_experts)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3

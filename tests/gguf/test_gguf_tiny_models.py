@@ -1,4 +1,4 @@
-"""GGUF files written from the tiny Llama / Qwen2 / Qwen3 checkpoints load and produce HF's tokens.
+"""GGUF files written from the tiny Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoints load and produce HF's tokens.
 
 The expected tokens come from HF transformers running the original safetensors checkpoint with
 its matrices rounded the way the GGUF stores them, rounded by the ``gguf`` package's own
@@ -24,7 +24,7 @@ from pagedlm.core.testing import assert_greedy_matches_hf, hf_greedy  # noqa: E4
 
 MAX_NEW = 16
 CASES = [("llama", "F32"), ("llama", "F16"), ("llama", "Q8_0"), ("qwen2", "F16"), ("qwen2", "Q8_0"),
-         ("qwen3", "F32"), ("qwen3", "Q8_0")]
+         ("qwen3", "F32"), ("qwen3", "Q8_0"), ("qwen3_moe", "F32"), ("qwen3_moe", "Q8_0")]
 
 
 def prompts() -> list[list[int]]:
@@ -34,7 +34,8 @@ def prompts() -> list[list[int]]:
 
 
 def rounded_reference(src: str, out: Path, tensor_type: str) -> str:
-    """``src`` with every matrix replaced by its ``tensor_type`` round trip (norms/biases stay f32)."""
+    """``src`` with every matrix replaced by its ``tensor_type`` round trip (norms/biases stay f32);
+    transformers keeps experts stacked (``[E, out, in]``), rounded row by row as the GGUF stacks are."""
     if tensor_type == "F32":
         return src
     import transformers
@@ -43,7 +44,7 @@ def rounded_reference(src: str, out: Path, tensor_type: str) -> str:
     qtype = gguf.GGMLQuantizationType[tensor_type]
     with torch.no_grad():
         for _, p in model.named_parameters():
-            if p.dim() != 2:
+            if p.dim() < 2:
                 continue
             w = p.numpy()
             if tensor_type == "F16":
@@ -92,3 +93,25 @@ def test_tokenizer_from_gguf_metadata_is_cached_and_equivalent(tiny_checkpoints:
     stamp = (cache / "pagedlm-gguf-source.json").read_text()
     get_tokenizer(path)
     assert (cache / "pagedlm-gguf-source.json").read_text() != stamp
+
+
+def test_qwen3moe_gguf_layout(tiny_checkpoint_factory, tmp_path: Path) -> None:
+    """llama.cpp's conventions: experts stacked per projection (``ffn_gate_exps`` of dims
+    ``[hidden, width, experts]``), the router as ``ffn_gate_inp``, the expert counts and width in the
+    metadata; a layer without a router reads back as a dense one (``mlp_only_layers``)."""
+    src = tiny_checkpoint_factory("qwen3_moe", mlp_only_layers=(1,), norm_topk_prob=False)
+    path = write_gguf(src, str(tmp_path / "moe.gguf"), "F32")
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+    assert tensors["blk.0.ffn_gate_exps.weight"] == [64, 128, 8]
+    assert tensors["blk.0.ffn_down_exps.weight"] == [128, 64, 8]
+    assert tensors["blk.0.ffn_gate_inp.weight"] == [64, 8]
+    assert "blk.1.ffn_gate.weight" in tensors and "blk.1.ffn_gate_inp.weight" not in tensors
+    from pagedlm.core.model_loader.gguf_loader import load_gguf_model_config
+
+    config, _ = load_gguf_model_config(path)
+    assert type(config).__name__ == "Qwen3MoeConfig" and config.architectures == ["Qwen3MoeForCausalLM"]
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (8, 2, 128)
+    assert config.mlp_only_layers == [1] and config.norm_topk_prob is False
+    llm = LLM(model=path, dtype="float32", device="cpu", num_gpu_blocks_override=32)
+    assert_greedy_matches_hf(path, prompts(), MAX_NEW, llm=llm, reference=hf_greedy(src, prompts(), MAX_NEW))

@@ -306,6 +306,9 @@ class ParallelConfig(_Freezable):
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
     #: which data-parallel replica this engine core is (set by the DP client; picks devices)
     data_parallel_rank: int = 0
+    #: MoE layers place whole experts on the ranks of the tensor-parallel group instead of
+    #: slicing every expert (vLLM's name; layers/fused_moe/config.py)
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):

@@ -52,3 +52,4 @@ def pagedlm_register_ops(register: Callable[..., None]) -> None:
     # Quantized GEMMs (kernels/quant_gemm.py): Triton W4A16/W8A16, torch._scaled_mm FP8, torch._int_mm INT8.
     for op in ("wna16_gemm", "fp8_scaled_mm", "int8_scaled_mm"):
         register(op, "cuda", f"pagedlm.backends.cuda.kernels.quant_gemm:{op}")
+    register("fused_experts", "cuda", "pagedlm.backends.cuda.kernels.fused_moe:fused_experts")

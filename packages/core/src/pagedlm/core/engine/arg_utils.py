@@ -42,6 +42,8 @@ _HELP = {
     "pipeline_parallel_size": "pipeline stages",
     "data_parallel_size": "engine replicas",
     "distributed_executor_backend": "uni, mp or ray",
+    "enable_expert_parallel": "MoE models: place whole experts on the tensor-parallel ranks instead of "
+    "slicing every expert across them",
     "load_format": "auto, safetensors, pt (allows pickle files) or dummy (random weights)",
     "skip_tokenizer_init": "run without a tokenizer (token-id prompts only)",
     "trust_remote_code": "let transformers run code from the model directory",
@@ -82,6 +84,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    enable_expert_parallel: bool = False
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
     trust_remote_code: bool = False
@@ -131,6 +134,7 @@ class EngineArgs:
                 pipeline_parallel_size=self.pipeline_parallel_size,
                 data_parallel_size=self.data_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,  # type: ignore[arg-type]
+                enable_expert_parallel=self.enable_expert_parallel,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

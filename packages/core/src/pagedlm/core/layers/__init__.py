@@ -9,6 +9,7 @@ methods never do sharding arithmetic themselves.
 
 from pagedlm.core.layers.activation import GeluAndMul, SiluAndMul, get_act_and_mul_fn
 from pagedlm.core.layers.causal_lm import CausalLM, DecoderModel, PreNormDecoderLayer
+from pagedlm.core.layers.fused_moe import FusedMoE
 from pagedlm.core.layers.layernorm import RMSNorm
 from pagedlm.core.layers.linear import (
     ColumnParallelLinear,
@@ -34,6 +35,7 @@ __all__ = [
     "CausalLM",
     "ColumnParallelLinear",
     "DecoderModel",
+    "FusedMoE",
     "GatedMLP",
     "GeluAndMul",
     "LinearBase",

@@ -1,6 +1,6 @@
 """Layer ops a platform may implement faster than core's torch code: their contracts, and binding.
 
-Core layers (``RMSNorm``, ``RotaryEmbedding``, ``SiluAndMul``) and the sampler compute in plain
+Core layers (``RMSNorm``, ``RotaryEmbedding``, ``SiluAndMul``, ``FusedMoE``) and the sampler compute in plain
 torch; that is the reference. A platform plugin registers faster implementations through the
 ``pagedlm_register_ops`` hook as lazy ``"module:function"`` strings (pagedlm-backend-cuda
 registers fused Triton kernels for platform ``"cuda"``). An implementation must keep the contract
@@ -13,8 +13,8 @@ lookup, and models built for different platforms in one process each keep their 
 built outside :func:`use_ops` (most unit tests) runs core's torch code.
 
 Op names: :data:`OP_CONTRACTS` holds the contracts core's layers call; a change that adds a core
-op (fused MoE, a quantized GEMM, LoRA shrink/expand) adds its contract there and bumps the minor
-``API_VERSION``. A plugin's own layers may call ops of their own under a dotted name
+op (a quantized GEMM, LoRA shrink/expand; ``fused_experts`` came with API 1.1) adds its contract
+there and bumps the minor ``API_VERSION``. A plugin's own layers may call ops of their own under a dotted name
 (``"myplugin.fused_gate"``), whose contract that plugin documents; any other name is an error.
 """
 
@@ -79,6 +79,16 @@ OP_CONTRACTS: Mapping[str, str] = MappingProxyType({
         "None) -> [T, N] in x's dtype: x quantized to int8 (round half to even, clamp [-128, 127]) with "
         "input_scale, or per token with scale amax(|x_t|) / 127.5 when None (compressed-tensors' convention); "
         "exact int32 accumulation of x_q @ weight^T, times x_scale * weight_scale in float32, plus bias."
+    ),
+    "fused_experts": (
+        "fn(hidden_states [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K] float32, topk_ids [T, K] "
+        "int32 (global expert ids), expert_map [E_global] int32 | None) -> [T, H] in hidden_states' dtype: for "
+        "each pair (t, k) whose expert e = topk_ids[t, k] (through expert_map when given; -1: another rank's "
+        "expert, the pair adds nothing) y = w2[e] @ silu_and_mul(w13[e] @ x_t) (gate rows [:I], up rows [I:]; "
+        "each matmul result rounded to the dtype, silu_and_mul rounded as that op); out[t] = sum over k of "
+        "(topk_weights[t, k] * y rounded to the dtype), summed in float32 and rounded once. The weights are "
+        "the layer's parameters (contiguous); no input is modified; no host synchronisation on devices that "
+        "capture graphs."
     ),
 })
 

@@ -14,6 +14,11 @@ Two conversions llama.cpp's exporter applies have to be undone:
 - ``gemma3``: every RMSNorm weight is stored as ``1 + w`` (ggml's norm multiplies by the weight,
   Gemma's by ``1 + weight``); we subtract 1 in float32, as HF transformers does when it reads the
   same file, so both compute ``1 + w`` from bit-identical ``w``.
+
+Mixture-of-experts files (``qwen3moe``) store each layer's experts stacked, one tensor per
+projection (``blk.N.ffn_gate_exps.weight [E, I, H]``, ``ffn_up_exps``, ``ffn_down_exps [E, H, I]``)
+and the router as ``ffn_gate_inp``; the stacks are split back into HF's per-expert tensors
+(:func:`hf_expert_stack_name`), so the model loads them as it loads an HF checkpoint.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import torch
 
 from pagedlm.core.model_loader.gguf_reader import GGUFFile
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "GGUFArch", "get_arch", "hf_config_from_gguf"]
+__all__ = ["EXPERT_STACKS", "SUPPORTED_ARCHITECTURES", "GGUFArch", "get_arch", "hf_config_from_gguf",
+           "hf_expert_stack_name"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,8 @@ class GGUFArch:
     qk_permuted: bool = False
     #: stored norm weights are ``hf + norm_shift``
     norm_shift: float = 0.0
+    #: mixture-of-experts layers: stacked experts (``ffn_*_exps``) and a router (``ffn_gate_inp``)
+    experts: bool = False
 
 
 _ARCHS: dict[str, GGUFArch] = {
@@ -49,6 +57,7 @@ _ARCHS: dict[str, GGUFArch] = {
     "qwen2": GGUFArch("qwen2", "Qwen2ForCausalLM", "post_attention_layernorm"),
     "qwen3": GGUFArch("qwen3", "Qwen3ForCausalLM", "post_attention_layernorm"),
     "gemma3": GGUFArch("gemma3", "Gemma3ForCausalLM", "pre_feedforward_layernorm", norm_shift=1.0),
+    "qwen3moe": GGUFArch("qwen3moe", "Qwen3MoeForCausalLM", "post_attention_layernorm", experts=True),
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHS)
 
@@ -66,7 +75,10 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a MoE layer's router
 }
+#: ``blk.N.<stack>``: a MoE layer's experts, stacked ``[E, out, in]`` -> ``mlp.experts.<e>.<HF part>``
+EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _TOP_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
@@ -91,12 +103,24 @@ def hf_tensor_name(arch: GGUFArch, gguf_name: str) -> str | None:
     m = _BLOCK_RE.match(gguf_name)
     if m:
         layer, part, kind = m.groups()
+        if part == "ffn_gate_inp" and not arch.experts:
+            return None
         hf_part = arch.ffn_norm if part == "ffn_norm" else _BLOCK_NAMES.get(part)
         return f"model.layers.{layer}.{hf_part}.{kind}" if hf_part else None
     m = _TOP_RE.match(gguf_name)
     if m and m.group(1) in _TOP_NAMES:
         return f"{_TOP_NAMES[m.group(1)]}.{m.group(2)}"
     return None
+
+
+def hf_expert_stack_name(arch: GGUFArch, gguf_name: str) -> str | None:
+    """For a stacked-experts tensor of a MoE architecture, the HF name of expert ``e``'s slice as a
+    format string (``"model.layers.3.mlp.experts.{}.gate_proj.weight"``); None otherwise."""
+    m = _BLOCK_RE.match(gguf_name)
+    if not arch.experts or m is None or m.group(2) not in EXPERT_STACKS:
+        return None
+    layer, part, kind = m.groups()
+    return f"model.layers.{layer}.mlp.experts.{{}}.{EXPERT_STACKS[part]}.{kind}"
 
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -189,11 +213,13 @@ def hf_config_from_gguf(gguf: GGUFFile) -> Any:
         )
     hidden = _require_int(gguf, f"{a}.embedding_length")
     heads = _require_int(gguf, f"{a}.attention.head_count")
+    moe: dict[str, Any] = _moe_kwargs(gguf, names) if a == "qwen3moe" else {}
     head_dim = _int(gguf, f"{a}.attention.key_length") or _int(gguf, f"{a}.rope.dimension_count") or hidden // heads
     kwargs: dict[str, Any] = dict(
         vocab_size=names["token_embd.weight"].shape[0],
         hidden_size=hidden,
-        intermediate_size=_require_int(gguf, f"{a}.feed_forward_length"),
+        intermediate_size=(_int(gguf, f"{a}.feed_forward_length") or moe["moe_intermediate_size"]) if moe
+        else _require_int(gguf, f"{a}.feed_forward_length"),
         num_hidden_layers=_require_int(gguf, f"{a}.block_count"),
         num_attention_heads=heads,
         num_key_value_heads=_int(gguf, f"{a}.attention.head_count_kv", heads),
@@ -219,12 +245,32 @@ def hf_config_from_gguf(gguf: GGUFFile) -> Any:
     elif a == "qwen3":
         kwargs.update(attention_bias=has_qkv_bias, use_sliding_window=False, hidden_act="silu")
         cls = config_class("Qwen3Config")
+    elif a == "qwen3moe":
+        kwargs.update(attention_bias=has_qkv_bias, use_sliding_window=False, hidden_act="silu", **moe)
+        cls = config_class("Qwen3MoeConfig")
     else:
         kwargs.update(_gemma3_kwargs(gguf, kwargs))
         cls = config_class("Gemma3TextConfig")
     config = cls(**kwargs)
     config.dtype = _config_dtype(gguf)
     return config
+
+
+def _moe_kwargs(gguf: GGUFFile, names: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's expert hyperparameters. llama.cpp always renormalises the top-k weights of
+    ``qwen3moe`` (as the released models' ``norm_topk_prob`` says), unless the file says otherwise;
+    a layer without a router (``ffn_gate_inp``) has a dense MLP (``mlp_only_layers``)."""
+    a = gguf.architecture
+    layers = _require_int(gguf, f"{a}.block_count")
+    norm = gguf.get(f"{a}.expert_weights_norm")
+    return dict(
+        num_experts=_require_int(gguf, f"{a}.expert_count"),
+        num_experts_per_tok=_require_int(gguf, f"{a}.expert_used_count"),
+        moe_intermediate_size=_require_int(gguf, f"{a}.expert_feed_forward_length"),
+        norm_topk_prob=True if norm is None else bool(norm),
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names],
+    )
 
 
 def _gemma3_kwargs(gguf: GGUFFile, base: dict[str, Any]) -> dict[str, Any]:

@@ -21,12 +21,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedlm.core.model_loader.gguf_config import _ARCHS, _BLOCK_NAMES, _TOP_NAMES, GGUFArch, permute_qk
+from pagedlm.core.model_loader.gguf_config import (
+    _ARCHS,
+    _BLOCK_NAMES,
+    _TOP_NAMES,
+    EXPERT_STACKS,
+    GGUFArch,
+    permute_qk,
+)
 from pagedlm.core.model_loader.gguf_reader import import_gguf
 
 __all__ = ["gguf_tensor_name", "write_gguf"]
 
 _HF_BLOCK_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_HF_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACK_OF = {hf_part: gguf_part for gguf_part, hf_part in EXPERT_STACKS.items()}
 _ARCH_OF = {spec.hf_architecture: spec for spec in _ARCHS.values()}
 
 
@@ -90,7 +99,16 @@ def _metadata(writer: Any, arch: GGUFArch, config: Any) -> None:
     else:
         theta = params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
         writer.add_float32(f"{a}.rope.freq_base", float(theta))
+    if arch.experts:
+        writer.add_uint32(f"{a}.expert_count", _num_experts(config))
+        writer.add_uint32(f"{a}.expert_used_count", config.num_experts_per_tok)
+        writer.add_uint32(f"{a}.expert_feed_forward_length", config.moe_intermediate_size)
+        writer.add_bool(f"{a}.expert_weights_norm", bool(getattr(config, "norm_topk_prob", True)))
     writer.add_uint32("general.file_type", 0)
+
+
+def _num_experts(config: Any) -> int:
+    return int(getattr(config, "num_experts", None) or config.num_local_experts)
 
 
 def _tokenizer_metadata(writer: Any, model_dir: str, config: Any, arch: GGUFArch) -> None:
@@ -157,11 +175,24 @@ def write_gguf(model_dir: str, out_path: str, tensor_type: str = "F32") -> str:
     _metadata(writer, arch, config)
     _tokenizer_metadata(writer, model_dir, config, arch)
     tied = bool(getattr(config, "tie_word_embeddings", False))
+    # (layer, projection) -> {expert: tensor}: experts are written stacked, once all have been read
+    pending: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     for hf_name, tensor in safetensors_weights_iterator(find_weight_files(model_dir, "auto")):
         if hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
             continue
         data = export_tensor(arch, hf_name, tensor, config).numpy()
-        name = gguf_tensor_name(arch, hf_name)
+        expert = _HF_EXPERT_RE.match(hf_name) if arch.experts else None
+        if expert is not None:
+            layer, index, proj = expert.groups()
+            group = pending.setdefault((layer, proj), {})
+            group[int(index)] = data
+            if len(group) < _num_experts(config):
+                continue
+            data = np.stack([group[e] for e in range(len(group))])
+            del pending[(layer, proj)]
+            name = f"blk.{layer}.{_STACK_OF[proj]}.weight"
+        else:
+            name = gguf_tensor_name(arch, hf_name)
         if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, np.ascontiguousarray(data, dtype=np.float32))
         elif qtype == gguf.GGMLQuantizationType.F16:
@@ -169,6 +200,8 @@ def write_gguf(model_dir: str, out_path: str, tensor_type: str = "F32") -> str:
         else:
             # NOTE: no raw_shape: the writer derives the logical shape from the byte array's shape
             writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    if pending:
+        raise ValueError(f"{model_dir}: experts missing from the checkpoint for {sorted(pending)}")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -18,6 +18,7 @@ from pagedlm.core.model_loader.gguf_config import (
     GGUFArch,
     get_arch,
     hf_config_from_gguf,
+    hf_expert_stack_name,
     hf_tensor_name,
     to_hf_tensor,
 )
@@ -62,7 +63,7 @@ def _check_tensors(gguf: GGUFFile, arch: GGUFArch) -> None:
     """Fail before anything is built if a tensor is of an unsupported type or has an unknown name."""
     unknown, bad_types = [], []
     for info in gguf.tensors:
-        if hf_tensor_name(arch, info.name) is None:
+        if hf_tensor_name(arch, info.name) is None and hf_expert_stack_name(arch, info.name) is None:
             if info.name != "rope_freqs.weight":
                 unknown.append(info.name)
         elif not is_supported(info.ggml_type):
@@ -107,7 +108,8 @@ def gguf_weights_iterator(path: str, hf_config: Any | None = None) -> Iterator[t
 
     ``hf_config`` (from :func:`load_gguf_model_config`; rebuilt when None) supplies the head counts
     that undoing llama's q/k permutation needs. Tensors are decoded one at a time, so peak memory
-    is the model plus one float32 tensor.
+    is the model plus one float32 tensor. A stack of experts (``ffn_gate_exps`` ...) is yielded as
+    one tensor per expert, under HF's per-expert names.
     """
     with read_gguf(path) as gguf:
         arch = get_arch(gguf)
@@ -115,10 +117,16 @@ def gguf_weights_iterator(path: str, hf_config: Any | None = None) -> Iterator[t
         config = hf_config if hf_config is not None else hf_config_from_gguf(gguf)
         for info in gguf.tensors:
             name = hf_tensor_name(arch, info.name)
-            if name is None:
+            stack = hf_expert_stack_name(arch, info.name)
+            if name is None and stack is None:
                 continue
             try:
                 tensor = dequantize(gguf.tensor_bytes(info), info.ggml_type, info.shape)
             except ValueError as e:
                 raise ValueError(f"{path}: tensor {info.name!r} ({info.type_name}, shape {info.shape}): {e}") from e
+            if stack is not None:
+                for expert in range(tensor.shape[0]):
+                    yield stack.format(expert), tensor[expert]
+                continue
+            assert name is not None
             yield name, to_hf_tensor(arch, name, tensor, config)

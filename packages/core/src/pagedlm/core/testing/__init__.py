@@ -18,6 +18,7 @@ from typing import Any
 from pagedlm.core.testing.checkpoints import (
     ARCHITECTURES,
     HF_CLASSES,
+    MOE_ARCHITECTURES,
     Arch,
     make_dummy_config_dir,
     make_tiny_checkpoint,
@@ -63,6 +64,7 @@ __all__ = [
     "GEMMA3_270M_PROMPTS",
     "HFGreedyResult",
     "HF_CLASSES",
+    "MOE_ARCHITECTURES",
     "PAD_ID",
     "SPECIAL_TOKENS",
     "UNK_ID",

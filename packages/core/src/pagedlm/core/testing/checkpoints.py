@@ -26,8 +26,10 @@ from typing import Any, Literal
 
 from pagedlm.core.testing.tokenizer import BOS_ID, EOS_ID, MIN_VOCAB_SIZE, PAD_ID, build_bpe_tokenizer
 
-Arch = Literal["llama", "mistral", "qwen2", "qwen3", "gemma3"]
-ARCHITECTURES: tuple[Arch, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+Arch = Literal["llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral"]
+ARCHITECTURES: tuple[Arch, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral")
+#: the mixture-of-experts architectures of ARCHITECTURES
+MOE_ARCHITECTURES: tuple[Arch, ...] = ("qwen3_moe", "mixtral")
 
 #: arch -> (config class name, HF ``architectures`` entry), both in ``transformers``
 HF_CLASSES: dict[str, tuple[str, str]] = {
@@ -36,7 +38,14 @@ HF_CLASSES: dict[str, tuple[str, str]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
+
+#: arch -> (experts, experts per token) of the tiny MoE checkpoints: even counts, so expert
+#: parallelism over two ranks splits them, and more than one expert per token, so the weighted
+#: sum over experts is exercised
+MOE_DEFAULTS: dict[str, tuple[int, int]] = {"qwen3_moe": (8, 2), "mixtral": (4, 2)}
 
 #: Gemma 3's shape where a backend can get it wrong: the head size of every real Gemma 3 (256),
 #: a score scale unlike ``head_dim ** -0.5``, and a window short enough that test prompts slide it
@@ -48,7 +57,7 @@ GEMMA3_LOCAL_ROPE_THETA = 10000.0
 # Realistic, non-default RoPE bases: an engine that ignores config.json's theta and falls back to
 # 10000 produces different logits and fails the HF comparison.
 _ROPE_THETA: dict[str, float] = {"llama": 500000.0, "mistral": 1000000.0, "qwen2": 1000000.0, "qwen3": 1000000.0,
-                                  "gemma3": 1000000.0}
+                                  "gemma3": 1000000.0, "qwen3_moe": 1000000.0, "mixtral": 1000000.0}
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -73,6 +82,10 @@ def _config(
     rope_theta: float | None = None,
     rms_norm_eps: float = 1e-6,
     dtype: str = "float32",
+    num_experts: int | None = None,
+    num_experts_per_tok: int | None = None,
+    norm_topk_prob: bool | None = None,
+    mlp_only_layers: tuple[int, ...] | None = None,
 ):  # -> transformers.PretrainedConfig
     import transformers
 
@@ -87,7 +100,7 @@ def _config(
     if head_dim is None:
         # Qwen3 decouples head_dim from hidden_size/num_heads (real ones use 128 with any width);
         # doubling it here exercises an engine's handling of q_proj wider than the hidden size.
-        head_dim = hidden_size // num_heads * (2 if arch == "qwen3" else 1)
+        head_dim = hidden_size // num_heads * (2 if arch in ("qwen3", "qwen3_moe") else 1)
     config_cls_name, arch_name = HF_CLASSES[arch]
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
@@ -111,8 +124,22 @@ def _config(
     if arch == "mistral":
         # Sliding windows longer than max_position_embeddings never slide; None says so plainly.
         kwargs["sliding_window"] = None
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen3_moe"):
         kwargs["use_sliding_window"] = False
+    if arch in MOE_DEFAULTS:
+        experts, per_token = MOE_DEFAULTS[arch]
+        experts = num_experts or experts
+        per_token = num_experts_per_tok or per_token
+        if arch == "qwen3_moe":
+            # Qwen3-30B-A3B's choices: renormalised top-k, every layer sparse
+            kwargs.update(num_experts=experts, num_experts_per_tok=per_token, moe_intermediate_size=intermediate_size,
+                          norm_topk_prob=True if norm_topk_prob is None else norm_topk_prob, decoder_sparse_step=1,
+                          mlp_only_layers=list(mlp_only_layers or ()))
+        else:
+            kwargs.update(num_local_experts=experts, num_experts_per_tok=per_token, sliding_window=None)
+    elif (num_experts, num_experts_per_tok, norm_topk_prob, mlp_only_layers) != (None, None, None, None):
+        raise ValueError(f"arch={arch!r} has no experts; num_experts and the other MoE options are for "
+                         f"{', '.join(MOE_DEFAULTS)}")
     if arch == "gemma3":
         # Every second layer global, the rest sliding (the real models use five local to one global;
         # two layers must have both kinds). Each kind has its own RoPE base.
@@ -188,6 +215,9 @@ def _reinitialise(model, *, seed: int, logit_scale: float, tied: bool) -> None:
                 if name.endswith(("q_proj.weight", "k_proj.weight")) and not has_qk_norm:
                     std *= _QK_GAIN
                 p.copy_(std * torch.randn(p.shape, generator=gen))
+            elif p.dim() == 3 and ".experts." in name:
+                # transformers 5 keeps the experts stacked in memory ([E, out, in]); saved per expert
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[2]))
             else:
                 raise AssertionError(f"no initialisation rule for parameter {name} {tuple(p.shape)}")
         # Untied lm_head rows have norm ~1, so logits spread ~logit_scale; tied rows are smaller.
@@ -235,6 +265,10 @@ def make_tiny_checkpoint(
     head_dim: int | None = None,
     rope_theta: float | None = None,
     logit_scale: float = 8.0,
+    num_experts: int | None = None,
+    num_experts_per_tok: int | None = None,
+    norm_topk_prob: bool | None = None,
+    mlp_only_layers: tuple[int, ...] | None = None,
 ) -> str:
     """Build a tiny random HF checkpoint of ``arch`` in ``out_dir`` and return the directory.
 
@@ -246,7 +280,11 @@ def make_tiny_checkpoint(
     architecture's usual base (not 10000). Qwen2 has q/k/v biases, Qwen3 has q/k norms. Gemma 3
     has head size 256 by default, ``query_pre_attn_scalar`` 192, GELU-tanh, q/k norms, zero-centred
     norms (``1 + w``), a sqrt(hidden) embedding scale and alternating sliding-window (8 tokens, RoPE
-    base 10k) and global layers (RoPE base 1M).
+    base 10k) and global layers (RoPE base 1M). The mixture-of-experts architectures (Qwen3-MoE,
+    Mixtral) have ``num_experts`` experts of width ``intermediate_size`` (defaults: 8 and 4,
+    :data:`MOE_DEFAULTS`), ``num_experts_per_tok`` of them per token (2); Qwen3-MoE renormalises
+    the top-k weights unless ``norm_topk_prob=False`` and keeps a dense MLP in ``mlp_only_layers``.
+    Their checkpoints store every expert's projections as separate tensors, as HF's do.
     """
     import torch
     import transformers
@@ -269,6 +307,10 @@ def make_tiny_checkpoint(
         head_dim=head_dim,
         rope_theta=rope_theta,
         dtype=dtype,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        norm_topk_prob=norm_topk_prob,
+        mlp_only_layers=mlp_only_layers,
     )
     model_cls = getattr(transformers, HF_CLASSES[arch][1])
     # HF's own initialisation draws from the global RNG; keep the caller's RNG state untouched.

@@ -1,4 +1,4 @@
-"""pagedlm-models-llama: Llama and Mistral for pagedlm.
+"""pagedlm-models-llama: Llama, Mistral and Mixtral for pagedlm.
 
 The engine finds these classes through the plugin registry (``plugin.py``).
 
@@ -11,12 +11,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pagedlm.models.llama.mixtral import MixtralForCausalLM
     from pagedlm.models.llama.modeling import LlamaForCausalLM, MistralForCausalLM
 
-__all__ = ["LlamaForCausalLM", "MistralForCausalLM"]
+__all__ = ["LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "MixtralForCausalLM":
+        from pagedlm.models.llama import mixtral
+
+        return mixtral.MixtralForCausalLM
     if name in __all__:
         from pagedlm.models.llama import modeling
 

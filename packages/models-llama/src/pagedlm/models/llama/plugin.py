@@ -17,3 +17,4 @@ _MODULE = "pagedlm.models.llama.modeling"
 def pagedlm_register_models(register: Callable[[str, str], None]) -> None:
     register("LlamaForCausalLM", f"{_MODULE}:LlamaForCausalLM")
     register("MistralForCausalLM", f"{_MODULE}:MistralForCausalLM")
+    register("MixtralForCausalLM", "pagedlm.models.llama.mixtral:MixtralForCausalLM")

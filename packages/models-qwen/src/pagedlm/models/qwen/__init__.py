@@ -1,4 +1,4 @@
-"""pagedlm-models-qwen: Qwen2 and Qwen3 for pagedlm.
+"""pagedlm-models-qwen: Qwen2, Qwen3 and Qwen3-MoE for pagedlm.
 
 The engine finds these classes through the plugin registry (``plugin.py``).
 
@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pagedlm.models.qwen.qwen2 import Qwen2ForCausalLM
     from pagedlm.models.qwen.qwen3 import Qwen3ForCausalLM
+    from pagedlm.models.qwen.qwen3_moe import Qwen3MoeForCausalLM
 
-__all__ = ["Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+__all__ = ["Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
 
-_MODULES = {"Qwen2ForCausalLM": "pagedlm.models.qwen.qwen2", "Qwen3ForCausalLM": "pagedlm.models.qwen.qwen3"}
+_MODULES = {"Qwen2ForCausalLM": "pagedlm.models.qwen.qwen2", "Qwen3ForCausalLM": "pagedlm.models.qwen.qwen3",
+            "Qwen3MoeForCausalLM": "pagedlm.models.qwen.qwen3_moe"}
 
 
 def __getattr__(name: str) -> Any:

@@ -15,3 +15,4 @@ from pagedlm.core.plugins import hookimpl
 def pagedlm_register_models(register: Callable[[str, str], None]) -> None:
     register("Qwen2ForCausalLM", "pagedlm.models.qwen.qwen2:Qwen2ForCausalLM")
     register("Qwen3ForCausalLM", "pagedlm.models.qwen.qwen3:Qwen3ForCausalLM")
+    register("Qwen3MoeForCausalLM", "pagedlm.models.qwen.qwen3_moe:Qwen3MoeForCausalLM")

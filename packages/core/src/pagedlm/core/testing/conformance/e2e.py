@@ -1,7 +1,7 @@
 """End-to-end check: greedy tokens of the engine on the backend equal HF transformers'.
 
 One tiny random checkpoint per architecture in ``ARCHITECTURES`` (Llama, Mistral, Qwen2, Qwen3,
-Gemma 3: every attention and op variant the model families use), float32, prompts that share
+Gemma 3, Qwen3-MoE, Mixtral: every attention and op variant the model families use), float32, prompts that share
 prefixes (the prefix cache serves them) and one longer than Gemma 3's window.
 """
 

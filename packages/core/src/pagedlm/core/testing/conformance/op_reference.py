@@ -4,12 +4,18 @@ These repeat, step for step, the torch paths of ``RMSNorm``, ``RotaryEmbedding``
 ``SiluAndMul`` (HF's arithmetic and rounding order), so a platform's replacement is checked
 against exactly what core computes without it. Calling the layers instead would route through
 whatever replacement is registered; tests/core checks these agree with the layers bit for bit.
+``fused_experts`` is core's torch op itself (a function ``FusedMoE`` calls when no kernel is bound).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from pagedlm.core.layers.fused_moe.reference import fused_experts
+
+__all__ = ["cos_sin_cache", "fused_add_rms_norm", "fused_experts", "qk_norm_rotary_embedding", "rms_norm",
+           "rotary_embedding", "silu_and_mul"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -4,7 +4,9 @@ Inputs are built on the CPU from a seeded generator, the reference runs there, t
 op runs on the platform's device, and outputs are compared under the dtype's tolerance. The
 grid covers what the model families pass: Llama/Mistral/Qwen2 hidden sizes, Qwen3's and Gemma
 3's per-head norms on strided ``[T, H, D]`` views of the fused qkv output, head sizes 64 to 256,
-partial rotary, neox and GPT-J pairing, bases 1e4 and 1e6 at positions up to 32k.
+partial rotary, neox and GPT-J pairing, bases 1e4 and 1e6 at positions up to 32k; the routed
+experts of MoE layers (``fused_experts``) from one token to a prefill chunk, 4 to 128 experts, top-1
+to top-8, widths that are not powers of two, and another rank's experts (``expert_map``).
 """
 
 from __future__ import annotations
@@ -138,6 +140,30 @@ def _silu_case(shape: tuple[int, ...]) -> CaseFn:
     return run
 
 
+def _fused_experts_case(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
+                        expert_parallel: bool = False) -> CaseFn:
+    """Router logits -> softmax top-k (renormalised), experts with O(1) outputs; with
+    ``expert_parallel`` this rank holds the second half of the experts only."""
+    from pagedlm.core.layers.fused_moe import fused_topk
+
+    def run(op, device, dtype, gen):
+        x = _randn(gen, tokens, hidden, scale=3.0).to(dtype)  # outputs of a few units: a 3% skew shows
+        w13 = _randn(gen, experts, 2 * inter, hidden, scale=hidden**-0.5).to(dtype)
+        w2 = _randn(gen, experts, hidden, inter, scale=inter**-0.5).to(dtype)
+        weights, ids = fused_topk(x, _randn(gen, tokens, experts), top_k, True)
+        expert_map = None
+        if expert_parallel:
+            half = experts // 2
+            expert_map = torch.full((experts,), -1, dtype=torch.int32)
+            expert_map[half:] = torch.arange(experts - half, dtype=torch.int32)
+            w13, w2 = w13[half:].contiguous(), w2[half:].contiguous()
+        args = (x, w13, w2, weights, ids, expert_map)
+        out = op(*(a.to(device) if a is not None else None for a in args))
+        return [("out", out, ref.fused_experts(*args))]
+
+    return run
+
+
 def op_cases(*, quick: bool) -> list[OpCase]:
     hidden_sizes = (64, 1024) if quick else (64, 640, 1024, 4096)
     cases = [OpCase("rms_norm", f"hidden={h}", _rms_case(h, False)) for h in hidden_sizes]
@@ -162,6 +188,12 @@ def op_cases(*, quick: bool) -> list[OpCase]:
         label = _rope_label(head, partial, neox, 1e6)
         cases.append(OpCase("qk_norm_rotary_embedding", label, _qk_norm_rotary_case(head, partial, neox, 1e6)))
     cases += [OpCase("silu_and_mul", f"x{list(s)}", _silu_case(s)) for s in ((11, 256), (11, 6144), (3, 5, 256))]
+    moe = [(1, 128, 64, 8, 2, False), (37, 256, 96, 16, 4, False), (64, 128, 64, 128, 8, False),
+           (200, 64, 160, 4, 1, False), (29, 128, 64, 8, 2, True)]
+    if quick:
+        moe = [moe[0], moe[1], moe[4]]
+    cases += [OpCase("fused_experts", f"T={t} H={h} I={i} E={e} top{k}{' expert_map' if ep else ''}",
+                     _fused_experts_case(t, h, i, e, k, ep)) for t, h, i, e, k, ep in moe]
     return cases
 
 
