@@ -88,8 +88,18 @@ class ModelConfig(_Freezable):
     #: vLLM's ``hf_overrides``: fields set on the loaded HF config (a nested dict updates a
     #: sub-config such as ``text_config``), or a callable ``config -> config``
     hf_overrides: dict[str, Any] | Callable[[Any], Any] | None = None
+    #: vLLM's custom logits processors: ``LogitsProcessor`` subclasses or ``"module:Class"``
+    #: names (``pagedlm.core.v1.sample.logits_processor``); every worker builds one of each
+    logits_processors: list[Any] | None = None
+    #: accept ``{"prompt_embeds": tensor}`` prompts (vLLM's ``enable_prompt_embeds``)
+    enable_prompt_embeds: bool = False
 
     def __post_init__(self) -> None:
+        if self.logits_processors is not None:
+            if isinstance(self.logits_processors, (str, type)) or not isinstance(self.logits_processors, (list, tuple)):
+                raise ValueError(f"logits_processors={self.logits_processors!r} must be a list of LogitsProcessor "
+                                 "classes or 'module:Class' names")
+            self.logits_processors = list(self.logits_processors)
         if self.model is not None:
             self.model = os.path.expanduser(str(self.model))
             from pagedlm.core.model_loader.gguf_loader import find_gguf_file

@@ -52,6 +52,9 @@ _HELP = {
     "disable_log_stats": "collect no request statistics (LLM.get_metrics needs them; LLM() defaults to off)",
     "tokenizer_mode": "vLLM's option: 'auto' or 'hf' (both the fast HF tokenizer; other modes are refused)",
     "config_format": "vLLM's option: 'auto' or 'hf' (config.json, or a GGUF file's metadata)",
+    "logits_processors": "custom logits processors, 'package.module:Class' names of vLLM-style "
+    "LogitsProcessor subclasses (pagedlm.core.v1.sample.logits_processor)",
+    "enable_prompt_embeds": "accept {'prompt_embeds': tensor} prompts (embeddings instead of token ids)",
 }
 
 #: the values of vLLM's options that mean what pagedlm does anyway
@@ -89,6 +92,8 @@ class EngineArgs:
     hf_overrides: dict[str, Any] | None = None
     tokenizer_mode: str = "auto"
     config_format: str = "auto"
+    logits_processors: list[Any] | None = None
+    enable_prompt_embeds: bool = False
     additional_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -111,6 +116,8 @@ class EngineArgs:
                 trust_remote_code=self.trust_remote_code,
                 served_model_name=self.served_model_name,
                 hf_overrides=self.hf_overrides,
+                logits_processors=self.logits_processors,
+                enable_prompt_embeds=self.enable_prompt_embeds,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -155,6 +162,8 @@ class EngineArgs:
             if base is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                    help=_HELP.get(f.name))
+            elif typing.get_origin(base) is list:  # one or more values: --flag A B
+                group.add_argument(flag, nargs="+", default=f.default, help=_HELP.get(f.name), dest=f.name)
             else:
                 parse = json.loads if typing.get_origin(base) is dict else base  # JSON objects on the CLI
                 group.add_argument(flag, type=parse, default=f.default, help=_HELP.get(f.name),

@@ -102,7 +102,12 @@ class EngineCore:
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request.from_engine_core_request(request, self.vllm_config.max_model_len))
+        req = Request.from_engine_core_request(request, self.vllm_config.max_model_len)
+        if self.vllm_config.model_config.logits_processors:
+            # Custom logits processors read the output token lists: no step may run ahead of a
+            # token still on the device (async scheduling).
+            req.needs_output_history = True
+        self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

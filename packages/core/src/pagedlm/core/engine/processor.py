@@ -24,6 +24,11 @@ class Processor:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
+        from pagedlm.core.sample.logits_processor import resolve_logits_processor_classes
+
+        # NOTE: resolved here too (the workers build them), so a bad name fails at start-up and
+        # every request's parameters are checked by each processor's validate_params.
+        self.logits_processor_classes = resolve_logits_processor_classes(self.model_config.logits_processors)
 
     def tokenize_prompt(self, prompt: PromptType, *, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, prompt token ids)."""
@@ -68,6 +73,8 @@ class Processor:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self.tokenize_prompt(prompt, add_special_tokens=add_special_tokens)
         self.validate(token_ids, params)
+        for cls in self.logits_processor_classes:
+            cls.validate_params(params)
         params = params.clone()
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.eos_token_ids

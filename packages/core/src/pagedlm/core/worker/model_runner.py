@@ -31,6 +31,7 @@ from pagedlm.core.sample import (
     build_sampling_metadata,
     compute_topk_logprobs,
 )
+from pagedlm.core.sample.logits_processor import BatchLogitsProcessors, build_logitsprocs
 from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedlm.core.worker.input_batch import InputBatch, StepInputs
 
@@ -129,6 +130,9 @@ class ModelRunner:
         self.metadata_builder = self.attn_backend.get_builder_cls()(block_size=self.block_size, device=device)
         self._sampling_key: tuple | None = None
         self._sampling_md: SamplingMetadata | None = None
+        # The custom logits processors (LLM(logits_processors=...)) and the batch indices they see.
+        procs = build_logitsprocs(vllm_config, device, self.platform.is_pin_memory_available())
+        self.logitsprocs: BatchLogitsProcessors | None = BatchLogitsProcessors(procs) if procs else None
 
     # -- set-up -----------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -204,6 +208,8 @@ class ModelRunner:
         be run before that: tokens still on the device are fed to it there."""
         batch = self.input_batch
         batch.update(sched)
+        if self.logitsprocs is not None:
+            self.logitsprocs.update(batch.requests, batch.membership_version)
         if sched.total_num_scheduled_tokens == 0:
             return _done(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]), non_block)
         step = batch.prepare(sched)
@@ -264,6 +270,9 @@ class ModelRunner:
                 device=self.device,
                 generators={i: s.generator for i, s in enumerate(sample_states) if s.generator is not None},
             )
+            if self.logitsprocs is not None:
+                self._sampling_md.logitsprocs = self.logitsprocs.step_view(
+                    [s.req_id for s in sample_states], self.device)
         assert self._sampling_md is not None
         return self._sampling_md
 
