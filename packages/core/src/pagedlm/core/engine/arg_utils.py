@@ -16,6 +16,7 @@ from pagedlm.core.config import (
     LoadConfig,
     ModelConfig,
     ParallelConfig,
+    ProfilerConfig,
     SchedulerConfig,
     VllmConfig,
 )
@@ -55,6 +56,8 @@ _HELP = {
     "logits_processors": "custom logits processors, 'package.module:Class' names of vLLM-style "
     "LogitsProcessor subclasses (pagedlm.core.v1.sample.logits_processor)",
     "enable_prompt_embeds": "accept {'prompt_embeds': tensor} prompts (embeddings instead of token ids)",
+    "profiler_config": 'JSON object of vLLM\'s ProfilerConfig, e.g. \'{"profiler": "torch", "torch_profiler_dir": '
+    '"./traces"}\' (start_profile/stop_profile; default: from VLLM_TORCH_PROFILER_DIR when set)',
 }
 
 #: the values of vLLM's options that mean what pagedlm does anyway
@@ -94,6 +97,7 @@ class EngineArgs:
     config_format: str = "auto"
     logits_processors: list[Any] | None = None
     enable_prompt_embeds: bool = False
+    profiler_config: dict[str, Any] | ProfilerConfig | None = None
     additional_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -105,7 +109,9 @@ class EngineArgs:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported; allowed: {', '.join(allowed)}")
         envs.check_vllm_environment()
+        profiler = self.profiler_config if self.profiler_config is not None else envs.vllm_profiler_config()
         return VllmConfig(
+            profiler_config=ProfilerConfig.from_any(profiler),
             model_config=ModelConfig(
                 model=self.model,
                 tokenizer=self.tokenizer,

@@ -6,6 +6,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 from pagedlm.core.config import VllmConfig
 from pagedlm.core.executor import Executor
@@ -166,6 +167,26 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Call a worker method (or ``method(worker, ...)``) on every worker, between steps."""
+        self._drain_batch_queue()
+        return self.executor.collective_rpc(method, timeout, tuple(args), kwargs)
+
+    def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
+        self._drain_batch_queue()
+        self.executor.profile(is_start, profile_prefix)
+
+    def _drain_batch_queue(self) -> None:
+        """Workers take calls only between steps: finish the batches still in flight once no
+        request is left (their outputs belong to finished requests); refuse while requests run."""
+        queue = self.batch_queue
+        while queue and not self.scheduler.has_unfinished_requests():
+            future, scheduler_output = queue.popleft()
+            self._update(scheduler_output, future.result())
+        if queue:
+            raise RuntimeError("the engine has steps in flight; call this between generate() calls")
 
     def check_health(self) -> None:
         """Raise if the executor lost a worker."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pagedlm.core.config import VllmConfig
@@ -131,6 +132,23 @@ class LLMEngine:
         """Forget every cached prefix block; False (nothing reset) while requests hold blocks."""
         return self.core.reset_prefix_cache()
 
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Call ``method`` on every worker; their results in rank order (see ``LLM.collective_rpc``)."""
+        return self.engine_core.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
+        """``func(model)`` on every worker's model; the results in rank order."""
+        return self.collective_rpc(_apply_to_model, args=(func,))
+
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """Start every worker's torch profiler (needs ``profiler_config``, see ``LLM.start_profile``)."""
+        self.engine_core.profile(True, profile_prefix)
+
+    def stop_profile(self) -> None:
+        """Stop the profilers: each worker writes its trace."""
+        self.engine_core.profile(False)
+
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 
@@ -146,3 +164,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+
+
+def _apply_to_model(worker: Any, func: Callable[[Any], Any]) -> Any:
+    """``apply_model``'s worker side (module-level: worker processes load it by name)."""
+    return func(worker.get_model())
