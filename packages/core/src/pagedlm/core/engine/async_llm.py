@@ -30,7 +30,7 @@ from pagedlm.core.config import ModelConfig, VllmConfig
 from pagedlm.core.engine.arg_utils import EngineArgs
 from pagedlm.core.engine.async_client import AsyncInprocClient, AsyncMPClient, EngineDeadError
 from pagedlm.core.engine.dp_client import AsyncDPClient
-from pagedlm.core.engine.llm_engine import fan_out
+from pagedlm.core.engine.llm_engine import fan_out, output_prompt_ids
 from pagedlm.core.engine.output_processor import OutputProcessor
 from pagedlm.core.engine.processor import Processor, PromptType
 from pagedlm.core.engine.tokenizer import get_tokenizer
@@ -188,7 +188,7 @@ class AsyncLLM:
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         self.output_processor.add_request(
-            request_id, text, core_request.prompt_token_ids, core_request.sampling_params,
+            request_id, text, output_prompt_ids(core_request), core_request.sampling_params,
             [c.request_id for c in children], [c.sampling_params for c in children],
         )
         self._tracker.add(request_id, [c.request_id for c in children], len(core_request.prompt_token_ids),

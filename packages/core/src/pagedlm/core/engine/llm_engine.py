@@ -19,6 +19,11 @@ from pagedlm.core.request import EngineCoreRequest
 from pagedlm.core.sampling_params import SamplingParams
 
 
+def output_prompt_ids(core_request: EngineCoreRequest) -> list[int] | None:
+    """The prompt ids outputs report: None for a prompt given as embeddings, as vLLM's."""
+    return None if core_request.prompt_embeds is not None else core_request.prompt_token_ids
+
+
 def fan_out(core_request: EngineCoreRequest) -> list[EngineCoreRequest]:
     """The engine requests of one user request: itself for n == 1, else n children of n == 1.
 
@@ -37,6 +42,7 @@ def fan_out(core_request: EngineCoreRequest) -> list[EngineCoreRequest]:
         children.append(EngineCoreRequest(
             request_id=f"{i}_{core_request.request_id}", prompt_token_ids=core_request.prompt_token_ids,
             sampling_params=child_params, arrival_time=core_request.arrival_time,
+            prompt_embeds=core_request.prompt_embeds,
         ))
     return children
 
@@ -98,7 +104,7 @@ class LLMEngine:
         params = core_request.sampling_params
         children = fan_out(core_request)
         self.output_processor.add_request(
-            request_id, text, core_request.prompt_token_ids, params,
+            request_id, text, output_prompt_ids(core_request), params,
             [c.request_id for c in children], [c.sampling_params for c in children],
         )
         if self._tracker is not None:

@@ -80,7 +80,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of ``prompts``.
 
-        A prompt is a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``. All prompts
+        A prompt is a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}`` or, with
+        ``LLM(enable_prompt_embeds=True)``, ``{"prompt_embeds": tensor [num_tokens, hidden]}``. All prompts
         are validated before any is queued, so one bad prompt raises ``ValueError`` and leaves the
         engine untouched.
         """
@@ -213,7 +214,7 @@ class LLM:
                         continue
                     finished[output.request_id] = output
                     if pbar is not None:
-                        num_in += len(output.prompt_token_ids)
+                        num_in += len(output.prompt_token_ids or ())
                         num_out += sum(len(o.token_ids) for o in output.outputs)
                         elapsed = time.perf_counter() - start
                         pbar.postfix = (f"est. speed input: {num_in / elapsed:.2f} toks/s, "

@@ -141,7 +141,7 @@ class WorkerCall:
 
 def _dumps_callable(fn: Callable[..., Any], name: str) -> bytes:
     try:
-        import cloudpickle  # type: ignore[import-not-found]
+        import cloudpickle
     except ImportError:
         cloudpickle = None
     if cloudpickle is not None:

@@ -293,8 +293,8 @@ class MultiprocExecutor(Executor):
             if deadline is not None:
                 timeout = min(timeout, deadline - time.monotonic())
                 if timeout <= 0:
-                    for rank in ranks - answered:
-                        self._stale[rank] += 1
+                    for late in ranks - answered:
+                        self._stale[late] += 1
                     return results
             waiting = [c for r, c in enumerate(workers.conns) if r not in answered]
             ready = mp_connection.wait([*waiting, *sentinel_rank], timeout=timeout)

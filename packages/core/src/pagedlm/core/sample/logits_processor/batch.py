@@ -94,11 +94,12 @@ class BatchLogitsProcessors:
         for req_id, state in requests.items():
             if req_id in index_of:
                 continue
-            index = builder.pop_removed()
-            if index is None:
+            reused = builder.pop_removed()
+            if reused is None:
                 index = len(req_at)
                 req_at.append(req_id)
             else:
+                index = reused
                 req_at[index] = req_id
             index_of[req_id] = index
             prompt_ids = None if getattr(state, "prompt_embeds", None) is not None else state.prompt_token_ids
@@ -108,10 +109,10 @@ class BatchLogitsProcessors:
         holes = [i for i in range(size) if req_at[i] is None]
         sources = [i for i in range(len(req_at) - 1, size - 1, -1) if req_at[i] is not None]
         for hole, src in zip(holes, sources, strict=True):
-            req_id = req_at[src]
-            assert req_id is not None
-            req_at[hole], req_at[src] = req_id, None
-            index_of[req_id] = hole
+            moving = req_at[src]
+            assert moving is not None
+            req_at[hole], req_at[src] = moving, None
+            index_of[moving] = hole
             builder.moved.append((src, hole, MoveDirectionality.UNIDIRECTIONAL))
         del req_at[size:]
         return builder.get_and_reset(size)

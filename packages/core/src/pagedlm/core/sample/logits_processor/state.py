@@ -7,7 +7,7 @@ from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from itertools import chain
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -130,7 +130,7 @@ class AdapterLogitsProcessor(LogitsProcessor):
 
     def _new_state(self, params: SamplingParams, prompt_ids: list[int] | None,
                    output_ids: list[int]) -> partial[torch.Tensor] | None:
-        req_lp = self.new_req_logits_processor(params)
+        req_lp: Any = self.new_req_logits_processor(params)
         if req_lp is None:
             return None
         # Three parameters: (prompt_ids, output_ids, logits); two: (output_ids, logits).
