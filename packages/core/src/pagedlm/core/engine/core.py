@@ -67,6 +67,8 @@ class EngineCore:
             pipeline_depth=pipeline_depth,
         )
         self._stats_listeners: list[StatsListener] = []
+        #: ``pause_scheduler``: nothing new is scheduled (batches in flight still finish)
+        self.paused = False
         depth = 2 if sc.async_scheduling else pipeline_depth
         self.batch_queue: deque[tuple[Future, SchedulerOutput]] | None = deque() if depth > 1 else None
         self.batch_queue_size = depth
@@ -119,12 +121,34 @@ class EngineCore:
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
 
+    def has_work(self) -> bool:
+        """Whether ``step`` would do anything: batches in flight, or requests to schedule."""
+        return bool(self.batch_queue) or (not self.paused and self.scheduler.has_unfinished_requests())
+
+    def pause_scheduler(self) -> None:
+        """Schedule nothing until :meth:`resume_scheduler`; requests keep their state and blocks
+        (``AsyncLLM.pause_generation(mode="keep")``)."""
+        self.paused = True
+
+    def resume_scheduler(self) -> None:
+        self.paused = False
+
+    def is_paused(self) -> bool:
+        return self.paused
+
     # -- stepping ---------------------------------------------------------------------------
     def add_stats_listener(self, listener: StatsListener) -> None:
         """Receive a SchedulerStats sample after every step (costs nothing when none is set)."""
         self._stats_listeners.append(listener)
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.paused:
+            # Only the batches already on the device finish.
+            outputs: list[EngineCoreOutput] = []
+            while self.batch_queue:
+                future, scheduler_output = self.batch_queue.popleft()
+                outputs.extend(self._update(scheduler_output, future.result()))
+            return outputs
         if self.batch_queue is not None:
             return self._step_with_batch_queue(self.batch_queue)
         if not self.scheduler.has_unfinished_requests():

@@ -348,6 +348,12 @@ class AsyncDPClient:
                 return self._account(rank, batch)
         return None
 
+    async def call_utility_async(self, method: str, *args: Any) -> list[Any]:
+        """``EngineCore.method(*args)`` on every replica; their results in replica order."""
+        import asyncio
+
+        return list(await asyncio.gather(*(c.call_utility_async(method, *args) for c in self.clients)))
+
     def _account(self, rank: int, batch: Any) -> Any:
         for out in batch.outputs:
             if out.finished and self.owner.get(out.request_id) == rank:

@@ -90,6 +90,18 @@ class OutputProcessor:
                 child_ids.append(child_id)
         return child_ids
 
+    def finish_requests(self, request_ids: list[str], finish_reason: str) -> tuple[list[RequestOutput], list[str]]:
+        """End requests here, as if their unfinished sequences had finished with ``finish_reason``:
+        (their final outputs, the engine ids to abort in the core)."""
+        endings: list[EngineCoreOutput] = []
+        for req_id in request_ids:
+            state = self.requests.get(req_id)
+            if state is not None:
+                endings.extend(EngineCoreOutput(child_id, [], finish_reason=finish_reason)
+                               for child_id, seq in state.sequences.items() if seq.finish_reason is None)
+        outputs, _ = self.process_outputs(endings)
+        return outputs, [out.request_id for out in endings]
+
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns (outputs for the user, engine request ids to abort because a stop string hit)."""
         touched: dict[str, _RequestState] = {}

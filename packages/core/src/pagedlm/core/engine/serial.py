@@ -10,10 +10,12 @@ build, cannot run code when decoded, and its layout is spelled out here:
                prompt_embeds as [dtype name, shape, raw bytes] or None]
     ABORT     [request_id, ...]                      engine (child) request ids
     SHUTDOWN  None                                   finish the loop, release the device, exit 0
+    UTILITY   [call_id, EngineCore method, [args...]]  between steps (pause, profile, collective_rpc)
   core -> front end (``OutputKind``)
     READY     {"num_gpu_blocks": int, "max_model_len": int, "pid": int}
     OUTPUTS   [timestamp, [output fields...], stats fields or None]
     FAILED    "message"                              startup or a step raised; the process exits
+    UTILITY   [call_id, ok, result or error message]   the answer to one UTILITY call
 
 Requests are validated by the front end's Processor before they are sent, so decoding does not
 validate again (``SamplingParams.__post_init__`` would also reset the eos ids the Processor added).
@@ -40,12 +42,14 @@ class InputKind(enum.IntEnum):
     ADD = 1
     ABORT = 2
     SHUTDOWN = 3
+    UTILITY = 4
 
 
 class OutputKind(enum.IntEnum):
     READY = 0
     OUTPUTS = 1
     FAILED = 2
+    UTILITY = 3
 
 
 @dataclass
@@ -76,6 +80,14 @@ def encode(kind: int, payload: Any = None) -> bytes:
 def decode(frame: bytes) -> tuple[int, Any]:
     kind, payload = _decoder.decode(frame)
     return kind, payload
+
+
+def peek_kind(frame: bytes) -> int:
+    """A frame's kind without decoding its payload: the encoder writes ``[kind, payload]`` as a
+    two-element msgpack array (``0x92``) whose first element, a small int, is one byte."""
+    if len(frame) > 1 and frame[0] == 0x92 and frame[1] < 0x80:
+        return frame[1]
+    return decode(frame)[0]
 
 
 # -- requests ----------------------------------------------------------------------------------
