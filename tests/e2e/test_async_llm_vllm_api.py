@@ -16,7 +16,7 @@ from pagedlm.core.engine.async_llm import AsyncLLM
 from pagedlm.core.sampling_params import RequestOutputKind
 
 pytestmark = pytest.mark.timeout(300)
-LONG = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+LONG = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["inproc", "core-process"])
