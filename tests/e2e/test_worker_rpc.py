@@ -64,6 +64,20 @@ def test_collective_rpc_with_worker_processes(tiny_llama):
         llm.shutdown()
 
 
+def test_collective_rpc_and_logits_processors_with_tensor_parallelism(tiny_llama):
+    from pagedlm.core.testing.logits_processors import DummyLogitsProcessor
+
+    llm = LLM(model=tiny_llama, tensor_parallel_size=2, distributed_executor_backend="mp",
+              logits_processors=[DummyLogitsProcessor], **CPU)
+    try:
+        assert llm.collective_rpc(getattr, args=("rank",)) == [0, 1]
+        outs = llm.generate(["hello there", "the cat"], [SamplingParams(max_tokens=4, extra_args={"target_token": 9}),
+                                                         SamplingParams(max_tokens=4, temperature=0)], use_tqdm=False)
+        assert list(outs[0].outputs[0].token_ids) == [9] * 4
+    finally:
+        llm.shutdown()
+
+
 def test_collective_rpc_over_data_parallel_replicas(tiny_llama, tmp_path):
     llm = LLM(model=tiny_llama, data_parallel_size=2, profiler_config={"profiler": "torch",
                                                                        "torch_profiler_dir": str(tmp_path)}, **CPU)
@@ -133,3 +147,10 @@ def test_profiler_config_is_checked(tiny_llama):
         ProfilerConfig(profiler="torch")
     with pytest.raises(ValueError, match=r"unknown fields \['torch_profiler_dri'\]"):
         LLM(model=tiny_llama, profiler_config={"profiler": "torch", "torch_profiler_dri": "x"}, **CPU)
+    from pagedlm.core import EngineArgs
+    from pagedlm.core.utils import FlexibleArgumentParser
+
+    args = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
+        ["--model", tiny_llama, "--profiler-config", '{"profiler": "torch", "torch_profiler_dir": "/tmp/t"}'])
+    config = EngineArgs.from_cli_args(args).create_vllm_config().profiler_config
+    assert (config.profiler, config.torch_profiler_dir) == ("torch", "/tmp/t")

@@ -103,6 +103,8 @@ class Processor:
         """The ``[T, hidden]`` embeddings of an embeddings prompt, on the CPU in the model dtype."""
         import torch
 
+        from pagedlm.core.platforms import HOST
+
         if not self.model_config.enable_prompt_embeds:
             raise ValueError("prompt_embeds prompts need LLM(enable_prompt_embeds=True) (--enable-prompt-embeds)")
         if set(prompt) - {"prompt_embeds", "cache_salt"}:
@@ -119,7 +121,7 @@ class Processor:
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported for prompts given as embeddings (they have no ids)")
         dtype = self.model_config.dtype if isinstance(self.model_config.dtype, torch.dtype) else embeds.dtype
-        return embeds.detach().to(device="cpu", dtype=dtype).contiguous()
+        return embeds.detach().to(device=HOST, dtype=dtype).contiguous()
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         num = len(token_ids)
