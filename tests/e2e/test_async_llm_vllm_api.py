@@ -140,3 +140,20 @@ def test_prompt_embeds_reach_the_engine_core(engine):
         assert got == expected
 
     asyncio.run(main())
+
+
+def test_requests_held_by_a_pause_fail_when_the_engine_stops(tiny_llama):
+    from pagedlm.core.engine.async_llm import EngineDeadError
+
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama, device="cpu", kv_cache_memory_bytes=16 << 20),
+                                    multiprocess=False, log_stats=False)
+
+    async def main():
+        await llm.pause_generation()
+        held = asyncio.ensure_future(_tokens(llm, {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2), "h"))
+        await asyncio.sleep(0.2)
+        llm.shutdown()
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(held, 30)
+
+    asyncio.run(main())

@@ -389,6 +389,10 @@ class AsyncLLM:
         for queue in self._queues.values():
             queue.put_nowait(error)
         self._queues.clear()
+        # Requests held by a pause find the engine dead when they wake.
+        if self._resumed is not None and not self._resumed[0].is_closed():
+            with contextlib.suppress(RuntimeError):
+                self._resumed[0].call_soon_threadsafe(self._resumed[1].set)
 
     def _record(self, engine_stats: EngineStatsSnapshot | None, stats: IterationStats) -> None:
         for stat_logger in self.stat_loggers:
