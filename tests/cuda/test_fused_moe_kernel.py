@@ -44,17 +44,20 @@ def reference(x, w13, w2, weights, ids, expert_map=None):
     return fused_experts(*args, None if expert_map is None else expert_map.cpu())
 
 
-def assert_matches(out, want, dtype):
+def assert_matches(out, want, dtype, reduction_len=1024):
+    """Close to the reference; bounds grow with the sqrt of the longest dot product (a different
+    summation order differs by more, and flips more bf16 roundings, over longer sums)."""
     out = out.cpu()
     assert out.shape == want.shape and out.dtype == want.dtype
+    grow = max(1.0, (reduction_len / 1024) ** 0.5)
     if dtype == torch.float32:
-        torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(out, want, atol=2e-5 * grow, rtol=2e-5 * grow)
     elif INTERPRET and dtype == torch.bfloat16:
         torch.testing.assert_close(out.float(), want.float(), atol=0.2, rtol=0.05)  # truncating interpreter
     else:
         eps = torch.finfo(dtype).eps
-        torch.testing.assert_close(out.float(), want.float(), atol=16 * eps, rtol=8 * eps)
-        assert (out != want).float().mean() < 0.05
+        torch.testing.assert_close(out.float(), want.float(), atol=16 * eps * grow, rtol=8 * eps * grow)
+        assert (out != want).float().mean() < 0.05 * grow
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
@@ -73,7 +76,7 @@ def test_matches_reference_at_model_sizes(device, shape, dtype):
     from pagedlm.backends.cuda.kernels.fused_moe import fused_experts
 
     args = make_inputs(*shape, dtype, device)
-    assert_matches(fused_experts(*args), reference(*args), dtype)
+    assert_matches(fused_experts(*args), reference(*args), dtype, reduction_len=max(shape[1], shape[2]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).removeprefix("torch."))

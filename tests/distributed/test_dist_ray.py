@@ -20,6 +20,11 @@ def test_ray_tp2_matches_single_process(tiny_llama):
         try:
             assert len(llm.llm_engine.core.executor.actors) == 2
             assert generate(llm) == expected
+            # collective_rpc reaches every actor (rank order); a failing call leaves the engine up
+            assert llm.collective_rpc(getattr, args=("rank",)) == [0, 1]
+            with pytest.raises(RuntimeError, match=r"collective_rpc\('nope'\) failed on Ray worker rank 0"):
+                llm.collective_rpc("nope")
+            assert generate(llm) == expected
         finally:
             llm.shutdown()
         # The executor left the placement group and actors it made, not the instance it found.

@@ -156,3 +156,181 @@ def test_enable_expert_parallel_is_vllms_option(tiny_checkpoint_factory):
     assert (moe.ep_size, moe.local_num_experts) == (1, moe.global_num_experts)
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_custom_logits_processor_script(tiny_llama):
+    """vLLM's examples/offline_inference/logits_processor/custom.py and custom_req.py, import swapped."""
+    script = """
+        import sys
+        import torch
+        from pagedlm.core import LLM, SamplingParams
+        from pagedlm.core.config import VllmConfig
+        from pagedlm.core.v1.sample.logits_processor import (AdapterLogitsProcessor, BatchUpdate, LogitsProcessor,
+                                                            MoveDirectionality, RequestLogitsProcessor)
+
+        class DummyLogitsProcessor(LogitsProcessor):
+            def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool):
+                self.req_info: dict[int, int] = {}
+
+            def is_argmax_invariant(self) -> bool:
+                return False
+
+            def update_state(self, batch_update: BatchUpdate | None):
+                if not batch_update:
+                    return
+                for index, params, _, _ in batch_update.added:
+                    if params.extra_args and (target_token := params.extra_args.get("target_token")):
+                        self.req_info[index] = target_token
+                    else:
+                        self.req_info.pop(index, None)
+                if self.req_info:
+                    for index in batch_update.removed:
+                        self.req_info.pop(index, None)
+                    for adx, bdx, direct in batch_update.moved:
+                        a_val = self.req_info.pop(adx, None)
+                        b_val = self.req_info.pop(bdx, None)
+                        if a_val is not None:
+                            self.req_info[bdx] = a_val
+                        if direct == MoveDirectionality.SWAP and b_val is not None:
+                            self.req_info[adx] = b_val
+
+            def apply(self, logits: torch.Tensor) -> torch.Tensor:
+                if not self.req_info:
+                    return logits
+                cols = torch.tensor(list(self.req_info.values()), dtype=torch.long, device=logits.device)
+                rows = torch.tensor(list(self.req_info.keys()), dtype=torch.long, device=logits.device)
+                values_to_keep = logits[rows, cols].clone()
+                logits[rows] = float("-inf")
+                logits[rows, cols] = values_to_keep
+                return logits
+
+        class DummyPerReqLogitsProcessor:
+            def __init__(self, target_token: int) -> None:
+                self.target_token = target_token
+
+            def __call__(self, output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+                val_to_keep = logits[self.target_token].item()
+                logits[:] = float("-inf")
+                logits[self.target_token] = val_to_keep
+                return logits
+
+        class WrappedPerReqLogitsProcessor(AdapterLogitsProcessor):
+            def is_argmax_invariant(self) -> bool:
+                return False
+
+            def new_req_logits_processor(self, params: SamplingParams) -> RequestLogitsProcessor | None:
+                if not params.extra_args or "target_token" not in params.extra_args:
+                    return None
+                return DummyPerReqLogitsProcessor(params.extra_args["target_token"])
+
+        prompts = ["Hello, my name is", "The president of the United States is", "The capital of France is",
+                   "The future of AI is"]
+        sampling_params_list = [
+            SamplingParams(temperature=0.0, max_tokens=6, extra_args={"target_token": 128}),
+            SamplingParams(temperature=0.0, max_tokens=6),
+            SamplingParams(temperature=0.0, max_tokens=6, extra_args={"target_token": 67}),
+            SamplingParams(temperature=0.0, max_tokens=6),
+        ]
+        plain = [o.outputs[0].token_ids for o in LLM(model=sys.argv[1], device="cpu").generate(
+            prompts, sampling_params_list, use_tqdm=False)]
+        for cls in (DummyLogitsProcessor, WrappedPerReqLogitsProcessor):
+            llm = LLM(model=sys.argv[1], device="cpu", logits_processors=[cls])
+            outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sampling_params_list, use_tqdm=False)]
+            assert outs[0] == [128] * 6 and outs[2] == [67] * 6, outs
+            assert outs[1] == plain[1] and outs[3] == plain[3]
+        print("ok")
+    """
+    proc = run_script(script, tiny_llama)
+    assert proc.returncode == 0 and proc.stdout.split() == ["ok"], proc.stderr[-3000:]
+
+
+def test_profiling_and_collective_rpc_script(tiny_llama, tmp_path):
+    """vLLM's simple_profiling.py (profiler_config, start_profile/stop_profile), the older
+    VLLM_TORCH_PROFILER_DIR way, and collective_rpc with a method name and a function."""
+    script = """
+        import glob, os, sys
+        from pagedlm.core import LLM, SamplingParams
+        from pagedlm.core.config import ProfilerConfig
+
+        def get_rank_and_device(worker):
+            return worker.rank, str(worker.device)
+
+        out_dir = sys.argv[2]
+        llm = LLM(model=sys.argv[1], device="cpu",
+                  profiler_config={"profiler": "torch", "torch_profiler_dir": os.path.join(out_dir, "a")})
+        llm.start_profile()
+        llm.generate(["Hello, my name is"], SamplingParams(max_tokens=4), use_tqdm=False)
+        llm.stop_profile()
+        print(len(glob.glob(os.path.join(out_dir, "a", "*.pt.trace.json.gz"))))
+        print(llm.collective_rpc(get_rank_and_device), len(llm.collective_rpc("get_kv_cache_specs")))
+        os.environ["VLLM_TORCH_PROFILER_DIR"] = os.path.join(out_dir, "b")
+        llm = LLM(model=sys.argv[1], device="cpu")
+        llm.start_profile()
+        llm.generate(["Hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+        llm.stop_profile()
+        print(len(glob.glob(os.path.join(out_dir, "b", "*.pt.trace.json.gz"))), isinstance(
+            llm.llm_engine.vllm_config.profiler_config, ProfilerConfig))
+    """
+    proc = run_script(script, tiny_llama, str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-3:] == ["1", "[(0, 'cpu')] 1", "1 True"], proc.stdout
+    assert "VLLM_TORCH_PROFILER_DIR is not read" not in proc.stderr
+
+
+def test_prompt_embeds_script(tiny_llama):
+    """vLLM's prompt_embed_inference.py: embeddings from the HF model's input embeddings."""
+    script = """
+        import sys
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from pagedlm.core import LLM, SamplingParams
+
+        tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+        embedding_layer = AutoModelForCausalLM.from_pretrained(sys.argv[1]).get_input_embeddings()
+        llm = LLM(model=sys.argv[1], device="cpu", dtype="float32", enable_prompt_embeds=True)
+        token_ids = tokenizer("Please tell me about the capital of France.", return_tensors="pt").input_ids
+        with torch.no_grad():
+            prompt_embeds = embedding_layer(token_ids).squeeze(0)
+        params = SamplingParams(temperature=0, max_tokens=8)
+        by_embeds = llm.generate({"prompt_embeds": prompt_embeds}, params, use_tqdm=False)[0].outputs[0]
+        by_ids = llm.generate({"prompt_token_ids": token_ids[0].tolist()}, params, use_tqdm=False)[0].outputs[0]
+        assert by_embeds.token_ids == by_ids.token_ids and by_embeds.text == by_ids.text
+        print("ok")
+    """
+    proc = run_script(script, tiny_llama)
+    assert proc.returncode == 0 and proc.stdout.split() == ["ok"], proc.stderr[-3000:]
+
+
+def test_async_llm_pause_resume_script(tiny_llama):
+    """The RL weight-update pattern: pause (abort in flight), update, resume."""
+    script = """
+        import asyncio, sys
+        from pagedlm.core import SamplingParams
+        from pagedlm.core.engine.arg_utils import AsyncEngineArgs
+        from pagedlm.core.engine.async_llm import AsyncLLM
+
+        async def main():
+            engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=sys.argv[1], device="cpu"))
+            params = SamplingParams(max_tokens=400, ignore_eos=True)
+            started = asyncio.Event()
+
+            async def run(request_id):
+                last = None
+                async for out in engine.generate("Hello", params, request_id):
+                    last = out
+                    started.set()
+                return last.outputs[0].finish_reason
+
+            task = asyncio.create_task(run("r1"))
+            await started.wait()
+            await engine.pause_generation(mode="abort", clear_cache=True)
+            print(await task, await engine.is_paused())
+            await engine.resume_generation()
+            print(await run("r2"), await engine.is_paused())
+            engine.shutdown()
+
+        asyncio.run(main())
+    """
+    proc = run_script(script, tiny_llama)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-2:] == ["abort True", "length False"], proc.stdout

@@ -98,8 +98,18 @@ class ModelConfig(_Freezable):
     #: a registered quantization method (``"fp8"``, ``"compressed-tensors"``, ``"gptq"``, ``"awq"``);
     #: None: the checkpoint's ``quantization_config``, if any (docs/quantization.md)
     quantization: str | None = None
+    #: vLLM's custom logits processors: ``LogitsProcessor`` subclasses or ``"module:Class"``
+    #: names (``pagedlm.core.v1.sample.logits_processor``); every worker builds one of each
+    logits_processors: list[Any] | None = None
+    #: accept ``{"prompt_embeds": tensor}`` prompts (vLLM's ``enable_prompt_embeds``)
+    enable_prompt_embeds: bool = False
 
     def __post_init__(self) -> None:
+        if self.logits_processors is not None:
+            if isinstance(self.logits_processors, (str, type)) or not isinstance(self.logits_processors, (list, tuple)):
+                raise ValueError(f"logits_processors={self.logits_processors!r} must be a list of LogitsProcessor "
+                                 "classes or 'module:Class' names")
+            self.logits_processors = list(self.logits_processors)
         if self.model is not None:
             self.model = os.path.expanduser(str(self.model))
             from pagedlm.core.model_loader.gguf_loader import find_gguf_file
@@ -299,6 +309,60 @@ class CacheConfig(_Freezable):
 
 
 @dataclass
+class ProfilerConfig(_Freezable):
+    """vLLM's ``ProfilerConfig`` (``LLM(profiler_config=...)``, ``--profiler-config JSON``): what
+    ``start_profile()`` / ``stop_profile()`` record. With ``profiler="torch"`` every worker writes
+    a torch profiler trace (``<name>.<time>.pt.trace.json[.gz]``, for Perfetto or TensorBoard) to
+    ``torch_profiler_dir`` when profiling stops."""
+
+    #: "torch" (the torch profiler) or None (off); vLLM's "cuda" (nsys capture ranges) is refused
+    profiler: str | None = None
+    torch_profiler_dir: str = ""
+    torch_profiler_with_stack: bool = True
+    torch_profiler_with_flops: bool = False
+    torch_profiler_use_gzip: bool = True
+    #: also write each worker's table of ops by device (or CPU) time: ``profiler_out_<rank>.txt``
+    torch_profiler_dump_cuda_time_total: bool = True
+    torch_profiler_record_shapes: bool = False
+    torch_profiler_with_memory: bool = False
+    #: pagedlm's front ends record no trace of their own: accepted for vLLM's configs, no effect
+    ignore_frontend: bool = False
+    #: engine steps to skip after ``start_profile`` before recording
+    delay_iterations: int = 0
+    #: steps to record at most (0: until ``stop_profile``)
+    max_iterations: int = 0
+
+    def __post_init__(self) -> None:
+        if self.profiler not in (None, "torch"):
+            raise ValueError(f"profiler_config.profiler={self.profiler!r} is not supported; allowed: 'torch' or None"
+                             " (vLLM's 'cuda' profiler is not implemented)")
+        if self.torch_profiler_dir and self.profiler != "torch":
+            raise ValueError("profiler_config.torch_profiler_dir needs profiler='torch'")
+        if self.profiler == "torch" and not self.torch_profiler_dir:
+            raise ValueError("profiler_config.profiler='torch' needs torch_profiler_dir (where the traces go)")
+        for name in ("delay_iterations", "max_iterations"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"profiler_config.{name}={getattr(self, name)!r} must be an integer >= 0")
+        if self.torch_profiler_dir and "://" not in self.torch_profiler_dir:
+            self.torch_profiler_dir = os.path.abspath(os.path.expanduser(self.torch_profiler_dir))
+
+    @classmethod
+    def from_any(cls, value: ProfilerConfig | dict[str, Any] | None) -> ProfilerConfig:
+        """A config from a ``ProfilerConfig``, a dict of its fields (unknown ones refused by name) or None."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"profiler_config={value!r} must be a ProfilerConfig or a dict of its fields")
+        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"profiler_config has unknown fields {unknown}; allowed: "
+                             f"{[f.name for f in dataclasses.fields(cls)]}")
+        return cls(**value)
+
+
+@dataclass
 class ParallelConfig(_Freezable):
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -398,6 +462,7 @@ class VllmConfig(_Freezable):
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     load_config: LoadConfig = field(default_factory=LoadConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
     attention_backend: str | None = None
     enforce_eager: bool = False
     #: the model's quantization method (``pagedlm.core.layers.quantization.QuantizationConfig``),

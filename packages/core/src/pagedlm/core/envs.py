@@ -41,6 +41,40 @@ def bench_hf_timeout_s() -> float:
     return float(os.environ.get("PAGEDLM_BENCH_HF_TIMEOUT", 3600))
 
 
+#: vLLM's (pre-``ProfilerConfig``) profiler variables, which pagedlm honours: name -> field
+_VLLM_PROFILER_VARS = {
+    "VLLM_TORCH_PROFILER_DIR": "torch_profiler_dir",
+    "VLLM_TORCH_PROFILER_WITH_STACK": "torch_profiler_with_stack",
+    "VLLM_TORCH_PROFILER_WITH_FLOPS": "torch_profiler_with_flops",
+    "VLLM_TORCH_PROFILER_USE_GZIP": "torch_profiler_use_gzip",
+    "VLLM_TORCH_PROFILER_DUMP_CUDA_TIME_TOTAL": "torch_profiler_dump_cuda_time_total",
+    "VLLM_TORCH_PROFILER_RECORD_SHAPES": "torch_profiler_record_shapes",
+    "VLLM_TORCH_PROFILER_WITH_PROFILE_MEMORY": "torch_profiler_with_memory",
+    "VLLM_PROFILER_DELAY_ITERS": "delay_iterations",
+    "VLLM_PROFILER_MAX_ITERS": "max_iterations",
+}
+
+
+def vllm_profiler_config() -> dict[str, object] | None:
+    """``VLLM_TORCH_PROFILER_DIR`` (and its companions above), as older vLLM read them: the
+    fields of a torch ``ProfilerConfig``, or None when the directory is not set."""
+    directory = os.environ.get("VLLM_TORCH_PROFILER_DIR")
+    if not directory:
+        return None
+    fields: dict[str, object] = {"profiler": "torch"}
+    for name, field_name in _VLLM_PROFILER_VARS.items():
+        value = os.environ.get(name)
+        if value is None or value == "":
+            continue
+        if field_name == "torch_profiler_dir":
+            fields[field_name] = value
+        elif field_name.endswith("_iterations"):
+            fields[field_name] = int(value)
+        else:
+            fields[field_name] = value.strip().lower() not in ("0", "false", "no", "off")
+    return fields
+
+
 #: vLLM environment variables whose effect pagedlm has under its own name, or has anyway
 _VLLM_EQUIVALENTS = {
     "VLLM_LOGGING_LEVEL": "PAGEDLM_LOGGING_LEVEL",
@@ -66,7 +100,8 @@ def check_vllm_environment() -> None:
             "last bits with the batch mix (greedy tokens in its parity tests do not). Unset VLLM_BATCH_INVARIANT."
         )
     logger = init_logger(__name__)
-    for name in sorted(k for k in os.environ if k.startswith("VLLM_") and k not in _warned_vllm):
+    honoured = set(_VLLM_PROFILER_VARS)
+    for name in sorted(k for k in os.environ if k.startswith("VLLM_") and k not in _warned_vllm | honoured):
         _warned_vllm.add(name)
         equivalent = _VLLM_EQUIVALENTS.get(name)
         hint = f"; pagedlm's equivalent is {equivalent}" if equivalent else ""

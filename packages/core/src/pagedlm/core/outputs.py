@@ -43,7 +43,8 @@ class RequestMetrics:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    #: None for a prompt given as embeddings (``{"prompt_embeds": tensor}``), as in vLLM
+    prompt_token_ids: list[int] | None
     prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedlm.core.sampling_params import SamplingParams
 
@@ -47,6 +49,9 @@ class EngineCoreRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.time)
+    #: ``[len(prompt_token_ids), hidden]`` CPU tensor in the model dtype when the prompt is given
+    #: as embeddings (``enable_prompt_embeds``); ``prompt_token_ids`` are placeholders then
+    prompt_embeds: Any = None
 
 
 class Request:
@@ -64,8 +69,13 @@ class Request:
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
         max_tokens: int | None = None,
+        prompt_embeds: Any = None,
     ) -> None:
         self.request_id = request_id
+        self.prompt_embeds = prompt_embeds
+        #: what the prefix-cache hash chain starts from: None (the root) for token ids; for a
+        #: prompt given as embeddings, a digest of them (its placeholder ids say nothing)
+        self.block_hash_seed: bytes | None = None if prompt_embeds is None else _digest(prompt_embeds)
         self.sampling_params = sampling_params
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
@@ -97,7 +107,8 @@ class Request:
         max_tokens = req.sampling_params.max_tokens
         if max_tokens is None:
             max_tokens = max_model_len - len(req.prompt_token_ids)
-        return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.arrival_time, max_tokens)
+        return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.arrival_time, max_tokens,
+                   prompt_embeds=req.prompt_embeds)
 
     @property
     def num_tokens(self) -> int:
@@ -120,3 +131,12 @@ class Request:
             f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
             f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
         )
+
+
+def _digest(tensor: Any) -> bytes:
+    """SHA-256 of a CPU tensor's dtype, shape and bytes."""
+    import torch
+
+    hasher = hashlib.sha256(f"prompt_embeds {tensor.dtype} {tuple(tensor.shape)}".encode())
+    hasher.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return hasher.digest()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 from pagedlm.core.text import utf8_problem
 
@@ -41,6 +42,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    #: custom arguments for custom logits processors (vLLM's ``extra_args``; ``vllm_xargs`` on
+    #: the server); pagedlm itself reads none of them
+    extra_args: dict[str, Any] | None = None
     # Filled by the engine: eos ids of the model, applied unless ignore_eos.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -105,6 +109,9 @@ class SamplingParams:
                 raise ValueError(f"stop {problem}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
+        if self.extra_args is not None and not (isinstance(self.extra_args, dict)
+                                                and all(isinstance(k, str) for k in self.extra_args)):
+            raise bad("extra_args", "None or a dict with string keys")
 
     @property
     def greedy(self) -> bool:

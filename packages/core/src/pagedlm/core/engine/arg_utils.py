@@ -16,6 +16,7 @@ from pagedlm.core.config import (
     LoadConfig,
     ModelConfig,
     ParallelConfig,
+    ProfilerConfig,
     SchedulerConfig,
     VllmConfig,
 )
@@ -57,6 +58,11 @@ _HELP = {
     "compressed-tensors, gptq, awq, or a plugin's; default: the checkpoint's quantization_config",
     "kv_cache_dtype": "auto (the model dtype) or fp8 (float8_e4m3 with per-layer scales)",
     "config_format": "vLLM's option: 'auto' or 'hf' (config.json, or a GGUF file's metadata)",
+    "logits_processors": "custom logits processors, 'package.module:Class' names of vLLM-style "
+    "LogitsProcessor subclasses (pagedlm.core.v1.sample.logits_processor)",
+    "enable_prompt_embeds": "accept {'prompt_embeds': tensor} prompts (embeddings instead of token ids)",
+    "profiler_config": 'JSON object of vLLM\'s ProfilerConfig, e.g. \'{"profiler": "torch", "torch_profiler_dir": '
+    '"./traces"}\' (start_profile/stop_profile; default: from VLLM_TORCH_PROFILER_DIR when set)',
 }
 
 #: the values of vLLM's options that mean what pagedlm does anyway
@@ -97,6 +103,9 @@ class EngineArgs:
     config_format: str = "auto"
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    logits_processors: list[Any] | None = None
+    enable_prompt_embeds: bool = False
+    profiler_config: dict[str, Any] | ProfilerConfig | None = None
     additional_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -108,7 +117,9 @@ class EngineArgs:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported; allowed: {', '.join(allowed)}")
         envs.check_vllm_environment()
+        profiler = self.profiler_config if self.profiler_config is not None else envs.vllm_profiler_config()
         return VllmConfig(
+            profiler_config=ProfilerConfig.from_any(profiler),
             model_config=ModelConfig(
                 model=self.model,
                 tokenizer=self.tokenizer,
@@ -120,6 +131,8 @@ class EngineArgs:
                 served_model_name=self.served_model_name,
                 hf_overrides=self.hf_overrides,
                 quantization=self.quantization,
+                logits_processors=self.logits_processors,
+                enable_prompt_embeds=self.enable_prompt_embeds,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -166,6 +179,8 @@ class EngineArgs:
             if base is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                    help=_HELP.get(f.name))
+            elif typing.get_origin(base) is list:  # one or more values: --flag A B
+                group.add_argument(flag, nargs="+", default=f.default, help=_HELP.get(f.name), dest=f.name)
             else:
                 parse = json.loads if typing.get_origin(base) is dict else base  # JSON objects on the CLI
                 group.add_argument(flag, type=parse, default=f.default, help=_HELP.get(f.name),

@@ -6,6 +6,8 @@ Both clients have the same surface:
                                            blocks of cancelled tasks, where awaiting is unsafe
   ``await get_output_async()``             the next ``EngineCoreOutputs`` (waits while idle)
   ``get_output_nowait()``                  the next one if it has already arrived, else None
+  ``await call_utility_async(method, *args)``  an ``EngineCore`` method run between steps
+                                           (pause/resume, prefix-cache reset, profile, RPC)
   ``is_dead`` / ``dead_error``             whether the core is gone, and why
   ``shutdown()``
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import multiprocessing
 import os
 import queue
@@ -94,7 +97,7 @@ class AsyncInprocClient:
         loop = asyncio.get_running_loop()
         event = self._event()
         event.clear()
-        has_work = await loop.run_in_executor(self._executor, self.engine_core.has_unfinished_requests)
+        has_work = await loop.run_in_executor(self._executor, self.engine_core.has_work)
         if not has_work:
             await event.wait()
             # Woken by an add or an abort: report the state (an abort may have emptied the engine).
@@ -107,6 +110,13 @@ class AsyncInprocClient:
 
     def get_output_nowait(self) -> EngineCoreOutputs | None:
         return None  # steps run on demand here: nothing is ever queued
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        self._check()
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(self._executor, lambda: getattr(self.engine_core, method)(*args))
+        self._event().set()  # e.g. a resume: the output loop has work again
+        return result
 
     def _snapshot_only(self) -> EngineCoreOutputs:
         return EngineCoreOutputs([], EngineStatsSnapshot.from_engine_core(self.engine_core))
@@ -153,6 +163,10 @@ class AsyncMPClient:
         self._reader: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
+        #: UTILITY calls waiting for their answer: call id -> (its loop, its future)
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._call_ids = itertools.count()
+        self._calls_lock = threading.Lock()
 
         mp = multiprocessing.get_context("spawn")
         self.proc = mp.Process(target=run_engine_core, args=(vllm_config, input_addr, output_addr),
@@ -269,6 +283,47 @@ class AsyncMPClient:
             if batch is not None:
                 return batch
 
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        """Run ``EngineCore.method(*args)`` in the core process between steps (arguments and
+        result are msgpack values); its exception is raised here as RuntimeError."""
+        loop = asyncio.get_running_loop()
+        self._attach(loop)  # the reader thread routes the answer
+        future: asyncio.Future = loop.create_future()
+        call_id = next(self._call_ids)
+        with self._calls_lock:
+            self._calls[call_id] = (loop, future)
+        try:
+            self._check()
+            self._send(serial.encode(InputKind.UTILITY, [call_id, method, list(args)]))
+            while True:
+                done, _ = await asyncio.wait([future], timeout=_LIVENESS_POLL_MS / 1000)
+                if done:
+                    return future.result()
+                self._check()
+        finally:
+            with self._calls_lock:
+                self._calls.pop(call_id, None)
+
+    def _answer(self, payload: list[Any]) -> None:
+        """Reader thread: hand a UTILITY answer to the call waiting for it."""
+        call_id, ok, value = payload
+        with self._calls_lock:
+            entry = self._calls.get(call_id)
+        if entry is None:
+            return  # the caller gave up (cancelled)
+        loop, future = entry
+
+        def settle() -> None:
+            if future.done():
+                return
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(RuntimeError(str(value)))
+
+        with contextlib.suppress(RuntimeError):  # the loop closed in between
+            loop.call_soon_threadsafe(settle)
+
     def _decode(self, frame: bytes | None) -> EngineCoreOutputs | None:
         if frame is None:
             return None  # the reader saw the core die; the next _check() raises
@@ -299,7 +354,11 @@ class AsyncMPClient:
                         self._notify()
                         return
                     continue
-                self._frames.put(self.output_socket.recv())
+                frame = self.output_socket.recv()
+                if serial.peek_kind(frame) == OutputKind.UTILITY:
+                    self._answer(serial.decode(frame)[1])
+                    continue
+                self._frames.put(frame)
             except zmq.ZMQError:
                 return  # the context is being destroyed
             self._notify()

@@ -23,14 +23,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Sequence
-from typing import TYPE_CHECKING, Any
+import warnings
+from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from pagedlm.core.config import ModelConfig, VllmConfig
 from pagedlm.core.engine.arg_utils import EngineArgs
 from pagedlm.core.engine.async_client import AsyncInprocClient, AsyncMPClient, EngineDeadError
 from pagedlm.core.engine.dp_client import AsyncDPClient
-from pagedlm.core.engine.llm_engine import fan_out
+from pagedlm.core.engine.llm_engine import fan_out, output_prompt_ids
 from pagedlm.core.engine.output_processor import OutputProcessor
 from pagedlm.core.engine.processor import Processor, PromptType
 from pagedlm.core.engine.tokenizer import get_tokenizer
@@ -51,6 +52,9 @@ __all__ = ["AsyncLLM", "EngineDeadError"]
 
 # Most engine steps turned into RequestOutputs at once when the front end lags behind the core.
 _MAX_MERGED_BATCHES = 32
+
+#: what ``pause_generation`` does with requests in flight (vLLM's ``PauseMode``)
+PauseMode = Literal["abort", "wait", "keep"]
 
 
 class AsyncLLM:
@@ -94,6 +98,11 @@ class AsyncLLM:
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._handler: asyncio.Task[None] | None = None
         self._log_task: asyncio.Task[None] | None = None
+        #: pause_generation: new requests wait for resume_generation (per event loop)
+        self._paused = False
+        self._core_paused = False
+        self._resumed: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        self._drained: asyncio.Event | None = None
         self.engine_core: AsyncInprocClient | AsyncMPClient | AsyncDPClient
         data_parallel = vllm_config.parallel_config.data_parallel_size > 1
         if multiprocess or data_parallel:
@@ -184,11 +193,16 @@ class AsyncLLM:
         arrival = time.monotonic()
         core_request, text = self.processor.process(request_id, prompt, sampling_params,
                                                     add_special_tokens=add_special_tokens)
+        while self._paused:  # validated, and held back until resume_generation
+            await self._resume_event().wait()
+            self._ensure_running()
+            if request_id in self._queues:
+                raise ValueError(f"request_id={request_id!r} is already in the engine")
         children = fan_out(core_request)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         self.output_processor.add_request(
-            request_id, text, core_request.prompt_token_ids, core_request.sampling_params,
+            request_id, text, output_prompt_ids(core_request), core_request.sampling_params,
             [c.request_id for c in children], [c.sampling_params for c in children],
         )
         self._tracker.add(request_id, [c.request_id for c in children], len(core_request.prompt_token_ids),
@@ -206,6 +220,8 @@ class AsyncLLM:
                 yield item
         finally:
             self._queues.pop(request_id, None)
+            if self._drained is not None and not self._queues:
+                self._drained.set()
             if not finished:
                 # NOTE: synchronous on purpose. This runs when the consumer stops early: on
                 # GeneratorExit or CancelledError, where awaiting again is not safe.
@@ -220,6 +236,104 @@ class AsyncLLM:
             self._tracker.finish(request_id, "abort", time.monotonic(), stats)
             self._record(None, stats)
             self.engine_core.abort_requests_nowait(child_ids)
+
+    # -- pausing (vLLM's pause_generation / resume_generation / is_paused) ----------------------
+    async def pause_generation(self, *, mode: PauseMode = "abort", wait_for_inflight_requests: bool | None = None,
+                               clear_cache: bool = True) -> None:
+        """Stop generating, e.g. to update the weights. New ``generate`` calls wait (validated,
+        nothing queued) until :meth:`resume_generation`. In-flight requests:
+
+        - ``mode="abort"`` (default): they end now with ``finish_reason="abort"`` (their generators
+          yield that final output);
+        - ``"wait"``: this call returns once they have finished;
+        - ``"keep"``: they stay in the engine, frozen, and go on after ``resume_generation``.
+
+        ``clear_cache`` then resets the prefix cache (with ``"keep"`` only when no request holds
+        blocks). ``wait_for_inflight_requests=True`` is vLLM's older spelling of ``mode="wait"``.
+        """
+        if wait_for_inflight_requests:
+            warnings.warn("pause_generation(wait_for_inflight_requests=...) is deprecated; use mode='wait'",
+                          DeprecationWarning, stacklevel=2)
+            mode = "wait"
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"mode={mode!r} is invalid: must be 'abort', 'wait' or 'keep'")
+        self._ensure_running()
+        self._paused = True
+        self._resume_event().clear()
+        if mode == "abort":
+            self._abort_in_flight()
+        elif mode == "wait":
+            self._drained = asyncio.Event()
+            try:
+                while self._queues:
+                    await self._drained.wait()
+                    self._drained.clear()
+            finally:
+                self._drained = None
+        else:
+            await self.engine_core.call_utility_async("pause_scheduler")
+            self._core_paused = True
+        if clear_cache:
+            await self.engine_core.call_utility_async("reset_prefix_cache")
+
+    async def resume_generation(self) -> None:
+        """Generate again after :meth:`pause_generation`: waiting and kept requests go on."""
+        if self._core_paused:
+            await self.engine_core.call_utility_async("resume_scheduler")
+            self._core_paused = False
+        self._paused = False
+        self._resume_event().set()
+
+    async def is_paused(self) -> bool:
+        return self._paused
+
+    def _resume_event(self) -> asyncio.Event:
+        loop = asyncio.get_running_loop()
+        if self._resumed is None or self._resumed[0] is not loop:
+            self._resumed = (loop, asyncio.Event())
+            if not self._paused:
+                self._resumed[1].set()
+        return self._resumed[1]
+
+    def _abort_in_flight(self) -> None:
+        """End every in-flight request with finish_reason "abort" (a final output each)."""
+        request_ids = list(self._queues)
+        outputs, child_ids = self.output_processor.finish_requests(request_ids, "abort")
+        stats = IterationStats()
+        now = time.monotonic()
+        for out in outputs:
+            self._tracker.finish(out.request_id, "abort", now, stats)
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+        self._record(None, stats)
+        self.engine_core.abort_requests_nowait(child_ids)
+
+    # -- engine-core utilities ---------------------------------------------------------------
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False while requests hold blocks."""
+        return _all_true(await self.engine_core.call_utility_async("reset_prefix_cache"))
+
+    async def start_profile(self, profile_prefix: str | None = None) -> None:
+        """Start the workers' torch profilers (needs ``profiler_config``; see ``LLM.start_profile``)."""
+        await self.engine_core.call_utility_async("profile", True, profile_prefix)
+
+    async def stop_profile(self) -> None:
+        await self.engine_core.call_utility_async("profile", False, None)
+
+    async def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """``LLM.collective_rpc`` on this engine's workers. With the engine core in its own process
+        (the default) ``method`` is a ``Worker`` method name and the arguments and results travel
+        as msgpack values; a function works with ``multiprocess=False``."""
+        if not isinstance(method, str) and not isinstance(self.engine_core, AsyncInprocClient):
+            raise ValueError("AsyncLLM.collective_rpc takes a Worker method name when the engine core runs in its "
+                             "own process (functions need AsyncLLM(..., multiprocess=False))")
+        results = await self.engine_core.call_utility_async("collective_rpc", method, timeout, list(args),
+                                                            dict(kwargs or {}))
+        if isinstance(self.engine_core, AsyncDPClient):
+            return [r for replica in results for r in replica]
+        return list(results)
 
     # -- output handling ---------------------------------------------------------------------
     def _ensure_running(self) -> None:
@@ -275,6 +389,10 @@ class AsyncLLM:
         for queue in self._queues.values():
             queue.put_nowait(error)
         self._queues.clear()
+        # Requests held by a pause find the engine dead when they wake.
+        if self._resumed is not None and not self._resumed[0].is_closed():
+            with contextlib.suppress(RuntimeError):
+                self._resumed[0].call_soon_threadsafe(self._resumed[1].set)
 
     def _record(self, engine_stats: EngineStatsSnapshot | None, stats: IterationStats) -> None:
         for stat_logger in self.stat_loggers:
@@ -301,6 +419,11 @@ class AsyncLLM:
                     task.cancel()
         self.engine_core.shutdown()
         self._fail_all(self.engine_core.dead_error or EngineDeadError("the engine was shut down"))
+
+
+def _all_true(result: Any) -> bool:
+    """A utility's bool result (one per replica with data parallelism)."""
+    return all(result) if isinstance(result, list) else bool(result)
 
 
 if TYPE_CHECKING:

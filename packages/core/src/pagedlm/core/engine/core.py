@@ -6,6 +6,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 from pagedlm.core.config import VllmConfig
 from pagedlm.core.executor import Executor
@@ -66,6 +67,8 @@ class EngineCore:
             pipeline_depth=pipeline_depth,
         )
         self._stats_listeners: list[StatsListener] = []
+        #: ``pause_scheduler``: nothing new is scheduled (batches in flight still finish)
+        self.paused = False
         depth = 2 if sc.async_scheduling else pipeline_depth
         self.batch_queue: deque[tuple[Future, SchedulerOutput]] | None = deque() if depth > 1 else None
         self.batch_queue_size = depth
@@ -102,7 +105,12 @@ class EngineCore:
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request.from_engine_core_request(request, self.vllm_config.max_model_len))
+        req = Request.from_engine_core_request(request, self.vllm_config.max_model_len)
+        if self.vllm_config.model_config.logits_processors:
+            # Custom logits processors read the output token lists: no step may run ahead of a
+            # token still on the device (async scheduling).
+            req.needs_output_history = True
+        self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -113,12 +121,34 @@ class EngineCore:
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
 
+    def has_work(self) -> bool:
+        """Whether ``step`` would do anything: batches in flight, or requests to schedule."""
+        return bool(self.batch_queue) or (not self.paused and self.scheduler.has_unfinished_requests())
+
+    def pause_scheduler(self) -> None:
+        """Schedule nothing until :meth:`resume_scheduler`; requests keep their state and blocks
+        (``AsyncLLM.pause_generation(mode="keep")``)."""
+        self.paused = True
+
+    def resume_scheduler(self) -> None:
+        self.paused = False
+
+    def is_paused(self) -> bool:
+        return self.paused
+
     # -- stepping ---------------------------------------------------------------------------
     def add_stats_listener(self, listener: StatsListener) -> None:
         """Receive a SchedulerStats sample after every step (costs nothing when none is set)."""
         self._stats_listeners.append(listener)
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.paused:
+            # Only the batches already on the device finish.
+            outputs: list[EngineCoreOutput] = []
+            while self.batch_queue:
+                future, scheduler_output = self.batch_queue.popleft()
+                outputs.extend(self._update(scheduler_output, future.result()))
+            return outputs
         if self.batch_queue is not None:
             return self._step_with_batch_queue(self.batch_queue)
         if not self.scheduler.has_unfinished_requests():
@@ -161,6 +191,26 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Call a worker method (or ``method(worker, ...)``) on every worker, between steps."""
+        self._drain_batch_queue()
+        return self.executor.collective_rpc(method, timeout, tuple(args), kwargs)
+
+    def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
+        self._drain_batch_queue()
+        self.executor.profile(is_start, profile_prefix)
+
+    def _drain_batch_queue(self) -> None:
+        """Workers take calls only between steps: finish the batches still in flight once no
+        request is left (their outputs belong to finished requests); refuse while requests run."""
+        queue = self.batch_queue
+        while queue and not self.scheduler.has_unfinished_requests():
+            future, scheduler_output = queue.popleft()
+            self._update(scheduler_output, future.result())
+        if queue:
+            raise RuntimeError("the engine has steps in flight; call this between generate() calls")
 
     def check_health(self) -> None:
         """Raise if the executor lost a worker."""

@@ -6,6 +6,9 @@ over ZMQ implements the same methods.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from pagedlm.core.config import VllmConfig
 from pagedlm.core.engine.core import EngineCore
 from pagedlm.core.request import EngineCoreRequest
@@ -23,6 +26,14 @@ class EngineCoreClient:
         raise NotImplementedError
 
     def get_output(self) -> list[EngineCoreOutput]:
+        raise NotImplementedError
+
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """``EngineCore.collective_rpc`` (every replica's workers, in order, with data parallelism)."""
+        raise NotImplementedError
+
+    def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
         raise NotImplementedError
 
     def shutdown(self) -> None:
@@ -43,6 +54,13 @@ class InprocClient(EngineCoreClient):
 
     def get_output(self) -> list[EngineCoreOutput]:
         return self.engine_core.step()
+
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return self.engine_core.collective_rpc(method, timeout, args, kwargs)
+
+    def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
+        self.engine_core.profile(is_start, profile_prefix)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -23,6 +23,8 @@ import time
 import traceback
 from typing import Any
 
+import msgspec
+
 from pagedlm.core.config import VllmConfig
 from pagedlm.core.engine import serial
 from pagedlm.core.engine.serial import EngineCoreOutputs, InputKind, OutputKind
@@ -36,6 +38,9 @@ logger = init_logger(__name__)
 _IDLE_POLL_MS = 1000
 # While busy, how often (seconds) to check the parent (is_alive() is a cheap waitpid).
 _BUSY_PARENT_CHECK_S = 2.0
+# The EngineCore methods a UTILITY call may run (their arguments and results are msgpack values).
+_UTILITY_METHODS = frozenset({"pause_scheduler", "resume_scheduler", "is_paused", "reset_prefix_cache", "profile",
+                              "collective_rpc"})
 
 
 def run_engine_core(vllm_config: VllmConfig, input_addr: str, output_addr: str) -> None:
@@ -127,15 +132,15 @@ class EngineCoreProc:
         core = self.engine_core
         try:
             while not self._shutdown:
-                if not core.has_unfinished_requests():
-                    # Idle: block until the front end sends something.
+                if not core.has_work():
+                    # Idle (or paused): block until the front end sends something.
                     if not self.input_socket.poll(_IDLE_POLL_MS):
                         if not self._parent_alive():
                             logger.warning("engine core: parent process is gone; exiting")
                             return 0
                         continue
                     self._drain_inputs()
-                    if not core.has_unfinished_requests() or self._rejected:
+                    if not core.has_work() or self._rejected:
                         # e.g. an abort of a waiting request: publish the new (empty) state.
                         self._send(EngineCoreOutputs([], EngineStatsSnapshot.from_engine_core(core)))
                     continue
@@ -185,7 +190,25 @@ class EngineCoreProc:
             elif kind == InputKind.SHUTDOWN:
                 self._shutdown = True
                 return
+            elif kind == InputKind.UTILITY:
+                self._utility(*payload)
             # HELLO again (a reconnecting client) needs no action.
+
+    def _utility(self, call_id: int, method: str, args: list[Any]) -> None:
+        """Run one EngineCore method between steps and answer it; its failure is the caller's."""
+        if method not in _UTILITY_METHODS:
+            ok, value = False, f"engine core: unknown utility method {method!r}"
+        else:
+            try:
+                ok, value = True, getattr(self.engine_core, method)(*args)
+            except Exception as e:  # noqa: BLE001 - reported to the caller; the engine goes on
+                ok, value = False, _describe(e, f"{method} failed", with_traceback=False)
+        try:
+            frame = serial.encode(OutputKind.UTILITY, [call_id, ok, value])
+        except (TypeError, ValueError, msgspec.EncodeError) as e:
+            frame = serial.encode(OutputKind.UTILITY, [call_id, False, f"the result of {method} cannot be sent to the "
+                                                                      f"front end (not a msgpack value): {e}"])
+        self.output_socket.send(frame)
 
     def _send(self, batch: EngineCoreOutputs) -> None:
         if self._rejected:

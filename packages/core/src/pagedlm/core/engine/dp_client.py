@@ -6,8 +6,10 @@ its own process, so replicas step concurrently; replica ``d`` uses devices
 fewest unfinished requests (ties: the lowest index) and merges their outputs.
 
 Protocol (pickled over one duplex pipe per replica):
-  client -> replica: ``("add", EngineCoreRequest)``, ``("abort", [ids])``, ``("shutdown", None)``
-  replica -> client: ``("ready", num_gpu_blocks)``, ``("out", [EngineCoreOutput])``, ``("error", text)``
+  client -> replica: ``("add", EngineCoreRequest)``, ``("abort", [ids])``, ``("shutdown", None)``,
+                     ``("call", (EngineCore method, args))`` (collective_rpc, profile)
+  replica -> client: ``("ready", num_gpu_blocks)``, ``("out", [EngineCoreOutput])``, ``("error", text)``,
+                     ``("result", value)`` / ``("call_error", text)`` answering a call
 
 A replica that dies or raises fails the client with an error naming it; shutdown, garbage
 collection and interpreter exit stop every replica (which stops its workers).
@@ -69,6 +71,13 @@ def _run_replica(vllm_config: VllmConfig, conn: Any) -> None:
                     core.abort_requests(payload)
                 elif kind == "shutdown":
                     return
+                elif kind == "call":
+                    method, args = payload
+                    try:
+                        conn.send(("result", getattr(core, method)(*args)))
+                    except Exception as e:  # noqa: BLE001 - the caller's failure, not the replica's
+                        conn.send(("call_error", format_exception(e)))
+                    continue
                 idle = False
             outputs = core.step()
             if outputs:
@@ -130,6 +139,8 @@ class DPClient(EngineCoreClient):
         self.owner: dict[str, int] = {}
         self.load = [0] * self.size
         self._failure: str | None = None
+        #: outputs that arrived while a call waited for its answers
+        self._early: list[list[EngineCoreOutput]] = []
         blocks: dict[int, int] = {}
         try:
             while len(blocks) < self.size:
@@ -204,14 +215,48 @@ class DPClient(EngineCoreClient):
         for rank, ids in _release(self.owner, self.load, request_ids).items():
             self._send(rank, ("abort", ids))
 
+    def call(self, method: str, *args: Any) -> list[Any]:
+        """``EngineCore.method(*args)`` on every replica; their results in replica order."""
+        for rank in range(self.size):
+            self._send(rank, ("call", (method, args)))
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        while len(results) + len(errors) < self.size:
+            for rank, kind, payload in self._receive(block=True):
+                if kind == "result":
+                    results[rank] = payload
+                elif kind == "call_error":
+                    errors[rank] = payload
+                elif kind == "out":
+                    self._early.append(payload)
+        if errors:
+            rank = min(errors)
+            summary = str(errors[rank]).strip().splitlines()[-1]
+            raise RuntimeError(f"{method} failed on data-parallel replica(s) {sorted(errors)}: {summary}\n"
+                               f"{errors[rank]}")
+        return [results[r] for r in range(self.size)]
+
+    def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        from pagedlm.core.executor.abstract import WorkerCall
+
+        # NOTE: a WorkerCall carries a function as bytes (the pipe pickles it by reference otherwise).
+        per_replica = self.call("collective_rpc", WorkerCall(method), timeout, tuple(args), kwargs)
+        return [result for results in per_replica for result in results]
+
+    def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
+        self.call("profile", is_start, profile_prefix)
+
     def get_output(self) -> list[EngineCoreOutput]:
         """Outputs of every replica that has some; waits for one if none has (and any is busy)."""
         if not self.owner:
             return []
         outputs: list[EngineCoreOutput] = []
-        for _, kind, payload in self._receive(block=True):
-            if kind != "out":
-                continue
+        if self._early:
+            batches, self._early = self._early, []
+        else:
+            batches = [payload for _, kind, payload in self._receive(block=True) if kind == "out"]
+        for payload in batches:
             for out in payload:
                 if out.request_id not in self.owner:
                     continue  # aborted meanwhile
@@ -302,6 +347,12 @@ class AsyncDPClient:
             if batch is not None:
                 return self._account(rank, batch)
         return None
+
+    async def call_utility_async(self, method: str, *args: Any) -> list[Any]:
+        """``EngineCore.method(*args)`` on every replica; their results in replica order."""
+        import asyncio
+
+        return list(await asyncio.gather(*(c.call_utility_async(method, *args) for c in self.clients)))
 
     def _account(self, rank: int, batch: Any) -> Any:
         for out in batch.outputs:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pagedlm.core.config import VllmConfig
@@ -16,6 +17,11 @@ from pagedlm.core.metrics.stats import EngineStatsSnapshot, IterationStats, Requ
 from pagedlm.core.outputs import RequestOutput
 from pagedlm.core.request import EngineCoreRequest
 from pagedlm.core.sampling_params import SamplingParams
+
+
+def output_prompt_ids(core_request: EngineCoreRequest) -> list[int] | None:
+    """The prompt ids outputs report: None for a prompt given as embeddings, as vLLM's."""
+    return None if core_request.prompt_embeds is not None else core_request.prompt_token_ids
 
 
 def fan_out(core_request: EngineCoreRequest) -> list[EngineCoreRequest]:
@@ -36,6 +42,7 @@ def fan_out(core_request: EngineCoreRequest) -> list[EngineCoreRequest]:
         children.append(EngineCoreRequest(
             request_id=f"{i}_{core_request.request_id}", prompt_token_ids=core_request.prompt_token_ids,
             sampling_params=child_params, arrival_time=core_request.arrival_time,
+            prompt_embeds=core_request.prompt_embeds,
         ))
     return children
 
@@ -97,7 +104,7 @@ class LLMEngine:
         params = core_request.sampling_params
         children = fan_out(core_request)
         self.output_processor.add_request(
-            request_id, text, core_request.prompt_token_ids, params,
+            request_id, text, output_prompt_ids(core_request), params,
             [c.request_id for c in children], [c.sampling_params for c in children],
         )
         if self._tracker is not None:
@@ -131,6 +138,23 @@ class LLMEngine:
         """Forget every cached prefix block; False (nothing reset) while requests hold blocks."""
         return self.core.reset_prefix_cache()
 
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Call ``method`` on every worker; their results in rank order (see ``LLM.collective_rpc``)."""
+        return self.engine_core.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
+        """``func(model)`` on every worker's model; the results in rank order."""
+        return self.collective_rpc(_apply_to_model, args=(func,))
+
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """Start every worker's torch profiler (needs ``profiler_config``, see ``LLM.start_profile``)."""
+        self.engine_core.profile(True, profile_prefix)
+
+    def stop_profile(self) -> None:
+        """Stop the profilers: each worker writes its trace."""
+        self.engine_core.profile(False)
+
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 
@@ -146,3 +170,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+
+
+def _apply_to_model(worker: Any, func: Callable[[Any], Any]) -> Any:
+    """``apply_model``'s worker side (module-level: worker processes load it by name)."""
+    return func(worker.get_model())

@@ -34,7 +34,7 @@ class _SequenceState:
 class _RequestState:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None
     params: SamplingParams
     sequences: dict[str, _SequenceState]
     prompt_logprobs: PromptLogprobs | None = None
@@ -57,14 +57,14 @@ class OutputProcessor:
         # child (engine) request id -> parent request id
         self.parent_of: dict[str, str] = {}
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                     params: SamplingParams, child_ids: list[str], child_params: list[SamplingParams]) -> None:
         sequences = {}
         for index, (child_id, p) in enumerate(zip(child_ids, child_params)):
             detok = None
             if self.tokenizer is not None and p.detokenize:
                 detok = IncrementalDetokenizer(
-                    self.tokenizer, prompt_token_ids, skip_special_tokens=p.skip_special_tokens,
+                    self.tokenizer, prompt_token_ids or [], skip_special_tokens=p.skip_special_tokens,
                     spaces_between_special_tokens=p.spaces_between_special_tokens, stop=list(p.stop or []),
                     include_stop_str_in_output=p.include_stop_str_in_output,
                 )
@@ -90,6 +90,18 @@ class OutputProcessor:
                 child_ids.append(child_id)
         return child_ids
 
+    def finish_requests(self, request_ids: list[str], finish_reason: str) -> tuple[list[RequestOutput], list[str]]:
+        """End requests here, as if their unfinished sequences had finished with ``finish_reason``:
+        (their final outputs, the engine ids to abort in the core)."""
+        endings: list[EngineCoreOutput] = []
+        for req_id in request_ids:
+            state = self.requests.get(req_id)
+            if state is not None:
+                endings.extend(EngineCoreOutput(child_id, [], finish_reason=finish_reason)
+                               for child_id, seq in state.sequences.items() if seq.finish_reason is None)
+        outputs, _ = self.process_outputs(endings)
+        return outputs, [out.request_id for out in endings]
+
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns (outputs for the user, engine request ids to abort because a stop string hit)."""
         touched: dict[str, _RequestState] = {}
@@ -106,7 +118,7 @@ class OutputProcessor:
                 continue
             state.num_cached_tokens = out.num_cached_tokens
             if out.new_prompt_logprobs is not None and state.prompt_logprobs is None:
-                state.prompt_logprobs = self._prompt_logprobs(state.prompt_token_ids, out.new_prompt_logprobs)
+                state.prompt_logprobs = self._prompt_logprobs(out.new_prompt_logprobs)
             if out.error is not None:
                 state.error = out.error
             seq.token_ids.extend(out.new_token_ids)
@@ -187,7 +199,7 @@ class OutputProcessor:
             seq.logprobs.append(self._logprob_dict(ids, values, rank))
             seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + values[0]
 
-    def _prompt_logprobs(self, prompt_token_ids: list[int], lists: LogprobsLists) -> PromptLogprobs:
+    def _prompt_logprobs(self, lists: LogprobsLists) -> PromptLogprobs:
         result: PromptLogprobs = [None]
         for ids, values, rank in zip(*lists):
             result.append(self._logprob_dict(ids, values, rank))

@@ -11,7 +11,8 @@ from pagedlm.core.request import EngineCoreRequest
 from pagedlm.core.sampling_params import SamplingParams
 from pagedlm.core.text import utf8_problem
 
-#: a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [int, ...]}`` (vLLM's prompt types)
+#: a string, ``{"prompt": str}``, ``{"prompt_token_ids": [int, ...]}`` or, with
+#: ``enable_prompt_embeds``, ``{"prompt_embeds": tensor [T, hidden]}`` (vLLM's prompt types)
 PromptType = str | Mapping[str, Any]
 
 
@@ -24,11 +25,18 @@ class Processor:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
+        from pagedlm.core.sample.logits_processor import resolve_logits_processor_classes
+
+        # NOTE: resolved here too (the workers build them), so a bad name fails at start-up and
+        # every request's parameters are checked by each processor's validate_params.
+        self.logits_processor_classes = resolve_logits_processor_classes(self.model_config.logits_processors)
 
     def tokenize_prompt(self, prompt: PromptType, *, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, prompt token ids)."""
         if isinstance(prompt, str):
             text, token_ids = prompt, None
+        elif isinstance(prompt, Mapping) and "prompt_embeds" in prompt:
+            raise ValueError("a prompt given as embeddings ({'prompt_embeds': tensor}) has no token ids")
         elif isinstance(prompt, Mapping):
             text = prompt.get("prompt")
             token_ids = prompt.get("prompt_token_ids")
@@ -66,8 +74,15 @@ class Processor:
     ) -> tuple[EngineCoreRequest, str | None]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        text, token_ids = self.tokenize_prompt(prompt, add_special_tokens=add_special_tokens)
+        embeds = None
+        if isinstance(prompt, Mapping) and "prompt_embeds" in prompt:
+            embeds = self._prompt_embeds(prompt, params)
+            text, token_ids = None, [0] * int(embeds.shape[0])  # placeholders: the runner reads the embeddings
+        else:
+            text, token_ids = self.tokenize_prompt(prompt, add_special_tokens=add_special_tokens)
         self.validate(token_ids, params)
+        for cls in self.logits_processor_classes:
+            cls.validate_params(params)
         params = params.clone()
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.eos_token_ids
@@ -80,8 +95,33 @@ class Processor:
             prompt_token_ids=token_ids,
             sampling_params=params,
             arrival_time=arrival_time if arrival_time is not None else time.time(),
+            prompt_embeds=embeds,
         )
         return request, text
+
+    def _prompt_embeds(self, prompt: Mapping[str, Any], params: SamplingParams) -> Any:
+        """The ``[T, hidden]`` embeddings of an embeddings prompt, on the CPU in the model dtype."""
+        import torch
+
+        from pagedlm.core.platforms import HOST
+
+        if not self.model_config.enable_prompt_embeds:
+            raise ValueError("prompt_embeds prompts need LLM(enable_prompt_embeds=True) (--enable-prompt-embeds)")
+        if set(prompt) - {"prompt_embeds", "cache_salt"}:
+            raise ValueError(f"a prompt_embeds prompt takes no other fields; got {sorted(prompt)}")
+        embeds = prompt["prompt_embeds"]
+        if not isinstance(embeds, torch.Tensor):
+            raise ValueError(f"prompt_embeds must be a torch.Tensor, got {type(embeds).__name__}")
+        if embeds.dim() == 3 and embeds.shape[0] == 1:
+            embeds = embeds.squeeze(0)
+        hidden = self.model_config.hidden_size
+        if embeds.dim() != 2 or embeds.shape[1] != hidden or not embeds.is_floating_point():
+            raise ValueError(f"prompt_embeds must be a float tensor of shape [num_tokens, hidden_size={hidden}], "
+                             f"got {embeds.dtype} {tuple(embeds.shape)}")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported for prompts given as embeddings (they have no ids)")
+        dtype = self.model_config.dtype if isinstance(self.model_config.dtype, torch.dtype) else embeds.dtype
+        return embeds.detach().to(device=HOST, dtype=dtype).contiguous()
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         num = len(token_ids)

@@ -6,13 +6,16 @@ build, cannot run code when decoded, and its layout is spelled out here:
 
   front end -> core (``InputKind``)
     HELLO     None                                   handshake: proves the input pipe is connected
-    ADD       [request_id, prompt_token_ids, arrival_time, sampling_params fields...]
+    ADD       [request_id, prompt_token_ids, arrival_time, [sampling_params fields...],
+               prompt_embeds as [dtype name, shape, raw bytes] or None]
     ABORT     [request_id, ...]                      engine (child) request ids
     SHUTDOWN  None                                   finish the loop, release the device, exit 0
+    UTILITY   [call_id, EngineCore method, [args...]]  between steps (pause, profile, collective_rpc)
   core -> front end (``OutputKind``)
     READY     {"num_gpu_blocks": int, "max_model_len": int, "pid": int}
     OUTPUTS   [timestamp, [output fields...], stats fields or None]
     FAILED    "message"                              startup or a step raised; the process exits
+    UTILITY   [call_id, ok, result or error message]   the answer to one UTILITY call
 
 Requests are validated by the front end's Processor before they are sent, so decoding does not
 validate again (``SamplingParams.__post_init__`` would also reset the eos ids the Processor added).
@@ -39,12 +42,14 @@ class InputKind(enum.IntEnum):
     ADD = 1
     ABORT = 2
     SHUTDOWN = 3
+    UTILITY = 4
 
 
 class OutputKind(enum.IntEnum):
     READY = 0
     OUTPUTS = 1
     FAILED = 2
+    UTILITY = 3
 
 
 @dataclass
@@ -77,6 +82,14 @@ def decode(frame: bytes) -> tuple[int, Any]:
     return kind, payload
 
 
+def peek_kind(frame: bytes) -> int:
+    """A frame's kind without decoding its payload: the encoder writes ``[kind, payload]`` as a
+    two-element msgpack array (``0x92``) whose first element, a small int, is one byte."""
+    if len(frame) > 1 and frame[0] == 0x92 and frame[1] < 0x80:
+        return frame[1]
+    return decode(frame)[0]
+
+
 # -- requests ----------------------------------------------------------------------------------
 def _params_to_wire(params: SamplingParams) -> list[Any]:
     values = []
@@ -103,14 +116,37 @@ def _params_from_wire(values: list[Any]) -> SamplingParams:
 
 def encode_add(request: EngineCoreRequest) -> bytes:
     payload = [request.request_id, list(request.prompt_token_ids), request.arrival_time,
-               _params_to_wire(request.sampling_params)]
+               _params_to_wire(request.sampling_params), _tensor_to_wire(request.prompt_embeds)]
     return encode(InputKind.ADD, payload)
 
 
 def request_from_wire(payload: list[Any]) -> EngineCoreRequest:
-    request_id, prompt_token_ids, arrival_time, params = payload
+    request_id, prompt_token_ids, arrival_time, params, embeds = payload
     return EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                             sampling_params=_params_from_wire(params), arrival_time=arrival_time)
+                             sampling_params=_params_from_wire(params), arrival_time=arrival_time,
+                             prompt_embeds=_tensor_from_wire(embeds))
+
+
+def _tensor_to_wire(tensor: Any) -> list[Any] | None:
+    """A CPU tensor as ``[dtype name, shape, raw bytes]`` (no pickle), or None."""
+    if tensor is None:
+        return None
+    import torch
+
+    raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return [str(tensor.dtype).removeprefix("torch."), list(tensor.shape), raw]
+
+
+def _tensor_from_wire(value: list[Any] | None) -> Any:
+    if value is None:
+        return None
+    import torch
+
+    dtype_name, shape, raw = value
+    dtype = getattr(torch, dtype_name)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a tensor dtype on the wire: {dtype_name!r}")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
 # -- outputs -----------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from pagedlm.core.engine.arg_utils import EngineArgs
@@ -80,7 +80,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of ``prompts``.
 
-        A prompt is a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``. All prompts
+        A prompt is a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}`` or, with
+        ``LLM(enable_prompt_embeds=True)``, ``{"prompt_embeds": tensor [num_tokens, hidden]}``. All prompts
         are validated before any is queued, so one bad prompt raises ``ValueError`` and leaves the
         engine untouched.
         """
@@ -213,7 +214,7 @@ class LLM:
                         continue
                     finished[output.request_id] = output
                     if pbar is not None:
-                        num_in += len(output.prompt_token_ids)
+                        num_in += len(output.prompt_token_ids or ())
                         num_out += sum(len(o.token_ids) for o in output.outputs)
                         elapsed = time.perf_counter() - start
                         pbar.postfix = (f"est. speed input: {num_in / elapsed:.2f} toks/s, "
@@ -231,6 +232,31 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's name); False while requests hold blocks."""
         return self.llm_engine.reset_prefix_cache()
+
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Run ``method`` on every worker (vLLM's ``collective_rpc``) and return their results in
+        rank order. ``method`` is the name of a ``Worker`` method (``pagedlm.core.worker.worker``),
+        or a function called as ``method(worker, *args, **kwargs)``; with worker processes it must
+        be picklable (a module-level function; lambdas and closures need cloudpickle installed).
+        A worker's exception is raised here; ``timeout`` (seconds, worker processes only) raises
+        ``TimeoutError``. Runs between ``generate`` calls."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
+        """``func(model)`` on each worker's ``torch.nn.Module``; the results in rank order."""
+        return self.llm_engine.apply_model(func)
+
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """Start the torch profiler on every worker (vLLM's ``start_profile``). Needs
+        ``LLM(profiler_config={"profiler": "torch", "torch_profiler_dir": DIR})`` or
+        ``VLLM_TORCH_PROFILER_DIR=DIR``; trace files are named ``<profile_prefix>_dp<d>_pp<p>_tp<t>``
+        (default prefix: host and process id)."""
+        self.llm_engine.start_profile(profile_prefix)
+
+    def stop_profile(self) -> None:
+        """Stop the profilers; every worker writes its trace to ``torch_profiler_dir``."""
+        self.llm_engine.stop_profile()
 
     def get_metrics(self) -> list[Metric]:
         """The engine's metrics as ``pagedlm.core.v1.metrics.reader`` objects (vLLM's reader

@@ -26,6 +26,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -33,7 +34,7 @@ from pagedlm.core.config import VllmConfig
 from pagedlm.core.distributed import output_rank
 from pagedlm.core.distributed.shm_broadcast import ShmBroadcast, ShmReader
 from pagedlm.core.distributed.utils import describe_exit, format_exception, get_open_port, mp_context
-from pagedlm.core.executor.abstract import Executor, merge_kv_cache_specs
+from pagedlm.core.executor.abstract import Executor, WorkerCall, merge_kv_cache_specs
 from pagedlm.core.kv_cache.spec import AttentionSpec, KVCacheGroupSpec
 from pagedlm.core.logger import init_logger
 from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -82,6 +83,13 @@ def _worker_main(vllm_config: VllmConfig, rank: int, local_rank: int, init_metho
         if method == _SHUTDOWN:
             break
         if worker is None:
+            continue
+        if isinstance(method, WorkerCall):  # a user's collective_rpc: its failure is not the engine's
+            try:
+                result = method(worker, args, kwargs)
+                conn.send(("ok", result))
+            except BaseException as e:  # noqa: BLE001 - reported to the caller, the worker goes on
+                conn.send(("rpc_error", format_exception(e)))
             continue
         try:
             result = getattr(worker, method)(*args, **kwargs)
@@ -207,6 +215,8 @@ class MultiprocExecutor(Executor):
         self.pp_size = pc.pipeline_parallel_size
         self.output_rank = output_rank(self.tp_size, self.pp_size)
         self._pending: deque[_PendingOutput] = deque()
+        #: per rank, replies still to come for user calls that timed out (discarded on arrival)
+        self._stale = [0] * self.world_size
         ctx = mp_context()
         workers = self._workers = _Workers()
         workers.broadcast = ShmBroadcast(ctx, self.world_size)
@@ -258,23 +268,36 @@ class MultiprocExecutor(Executor):
             if not proc.is_alive():
                 self._fail(workers.death_message(rank))
 
-    def _send(self, method: str, args: tuple = (), kwargs: dict | None = None,
+    def _send(self, method: str | WorkerCall, args: tuple = (), kwargs: dict | None = None,
               reply_ranks: tuple[int, ...] | None = None) -> None:
         self.check_health()
         assert self._workers.broadcast is not None
         self._workers.broadcast.enqueue((method, args, kwargs or {}, reply_ranks), check=self.check_health)
 
-    def _wait_replies(self, ranks: set[int]) -> dict[int, Any]:
-        """One reply from each of ``ranks``; any error or death of any rank fails the engine."""
+    def _wait_replies(self, ranks: set[int], *, deadline: float | None = None,
+                      rpc_errors: dict[int, str] | None = None) -> dict[int, Any]:
+        """One reply from each of ``ranks``; any error or death of any rank fails the engine.
+
+        For a user's call (``rpc_errors`` given), a rank's exception is collected there instead,
+        and past ``deadline`` (monotonic) the ranks that have not answered are returned without a
+        result: their replies are discarded when they come."""
         workers = self._workers
         results: dict[int, Any] = {}
+        answered: set[int] = set()
         conn_rank = {id(c): r for r, c in enumerate(workers.conns)}
         sentinel_rank = {p.sentinel: r for r, p in enumerate(workers.procs)}
-        while len(results) < len(ranks):
+        while len(answered) < len(ranks):
             if workers.failure is not None:
                 raise RuntimeError(workers.failure)
-            waiting = [c for r, c in enumerate(workers.conns) if r not in results]
-            ready = mp_connection.wait([*waiting, *sentinel_rank], timeout=1.0)
+            timeout = 1.0
+            if deadline is not None:
+                timeout = min(timeout, deadline - time.monotonic())
+                if timeout <= 0:
+                    for late in ranks - answered:
+                        self._stale[late] += 1
+                    return results
+            waiting = [c for r, c in enumerate(workers.conns) if r not in answered]
+            ready = mp_connection.wait([*waiting, *sentinel_rank], timeout=timeout)
             # Messages first: a rank that reported an error is named by its error.
             for obj in ready:
                 rank = conn_rank.get(id(obj))
@@ -288,35 +311,63 @@ class MultiprocExecutor(Executor):
                     summary = str(value).strip().splitlines()[-1]
                     self._fail(f"pagedlm worker rank {rank} raised an error; the engine cannot continue: "
                                f"{summary}\n{value}")
-                if rank in ranks:
+                if self._stale[rank]:  # the late reply of a user call that timed out
+                    self._stale[rank] -= 1
+                    continue
+                if status == "rpc_error" and rpc_errors is not None:
+                    rpc_errors[rank] = str(value)
+                    answered.add(rank)
+                elif rank in ranks:
                     results[rank] = value
+                    answered.add(rank)
             for obj in ready:
                 if obj in sentinel_rank:
                     self._fail(workers.death_message(sentinel_rank[obj]))
         return results
 
-    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
-        """Call ``Worker.method(*args)`` on every rank; their results in rank order."""
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        """Call ``Worker.method(*args)`` on every rank (an engine call: any failure is fatal)."""
         assert not self._pending, "no RPC while steps are in flight"
         self._send(method, args)
         results = self._wait_replies(set(range(self.world_size)))
         return [results[r] for r in range(self.world_size)]
 
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        if self._pending:
+            raise RuntimeError("collective_rpc while engine steps are in flight; call it between steps")
+        call = WorkerCall(method)
+        self._send(call, tuple(args), dict(kwargs or {}))
+        errors: dict[int, str] = {}
+        ranks = set(range(self.world_size))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results = self._wait_replies(ranks, deadline=deadline, rpc_errors=errors)
+        if errors:
+            rank = min(errors)
+            summary = errors[rank].strip().splitlines()[-1]
+            raise RuntimeError(f"collective_rpc({call.name!r}) failed on worker rank(s) {sorted(errors)}: "
+                               f"{summary}\n{errors[rank]}")
+        missing = sorted(ranks - set(results))
+        if missing:
+            raise TimeoutError(f"collective_rpc({call.name!r}): worker rank(s) {missing} did not answer within "
+                               f"{timeout}s (the call goes on there; its result will be dropped)")
+        return [results[r] for r in range(self.world_size)]
+
     # -- the Executor interface ------------------------------------------------------------------
     def get_kv_cache_specs(self) -> dict[str, AttentionSpec]:
-        return merge_kv_cache_specs(self.collective_rpc("get_kv_cache_specs"))
+        return merge_kv_cache_specs(self._call_all("get_kv_cache_specs"))
 
     def set_kv_cache_groups(self, groups: list[KVCacheGroupSpec]) -> None:
-        self.collective_rpc("set_kv_cache_groups", groups)
+        self._call_all("set_kv_cache_groups", groups)
 
     def determine_num_available_blocks(self) -> int:
-        return min(self.collective_rpc("determine_num_available_blocks"))
+        return min(self._call_all("determine_num_available_blocks"))
 
     def kv_cache_bytes_per_block(self) -> int:
-        return max(self.collective_rpc("kv_cache_bytes_per_block"))
+        return max(self._call_all("kv_cache_bytes_per_block"))
 
     def initialize_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_cache", num_blocks)
+        self._call_all("initialize_cache", num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput,
                       non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 from pagedlm.core.distributed import output_rank
 from pagedlm.core.distributed.utils import format_exception, get_open_port
-from pagedlm.core.executor.abstract import Executor, merge_kv_cache_specs
+from pagedlm.core.executor.abstract import Executor, WorkerCall, merge_kv_cache_specs
 from pagedlm.core.kv_cache.spec import AttentionSpec, KVCacheGroupSpec
 from pagedlm.core.logger import init_logger
 from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -63,6 +64,10 @@ class RayWorkerWrapper:
     def execute(self, method: str, args: tuple, reply: bool) -> Any:
         result = getattr(self.worker, method)(*args)
         return result if reply else None
+
+    def call(self, call: WorkerCall, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """A user's ``collective_rpc``."""
+        return call(self.worker, args, kwargs)
 
 
 def _stop(actors: list[Any], placement_group: Any, owns_ray: bool) -> None:
@@ -184,6 +189,29 @@ class RayExecutor(Executor):
 
     def _call_all(self, method: str, *args: Any) -> list[Any]:
         return self._gather([a.execute.remote(method, args, True) for a in self.actors], all_results=True)
+
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        import ray
+
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
+        call = WorkerCall(method)
+        refs = [a.call.remote(call, tuple(args), dict(kwargs or {})) for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        if len(ready) < len(refs):
+            missing = [r for r, ref in enumerate(refs) if ref not in ready]
+            raise TimeoutError(f"collective_rpc({call.name!r}): Ray worker rank(s) {missing} did not answer "
+                               f"within {timeout}s")
+        results = []
+        for rank, ref in enumerate(refs):
+            try:
+                results.append(ray.get(ref))
+            except ray.exceptions.RayActorError as e:
+                self._fail(f"pagedlm Ray worker rank {rank} died unexpectedly; the engine cannot continue: {e}")
+            except Exception as e:
+                raise RuntimeError(f"collective_rpc({call.name!r}) failed on Ray worker rank {rank}: {e}") from e
+        return results
 
     def get_kv_cache_specs(self) -> dict[str, AttentionSpec]:
         return merge_kv_cache_specs(self._call_all("get_kv_cache_specs"))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
-from pagedlm.core.executor.abstract import Executor, done_future
+from pagedlm.core.executor.abstract import Executor, WorkerCall, done_future
 from pagedlm.core.kv_cache.spec import AttentionSpec, KVCacheGroupSpec
 from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedlm.core.worker.worker import Worker
@@ -39,3 +41,8 @@ class UniProcExecutor(Executor):
         output = self.worker.execute_model(scheduler_output)
         assert isinstance(output, ModelRunnerOutput)
         return done_future(output) if non_block else output
+
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        # NOTE: in this process: the call runs to its end (``timeout`` cannot interrupt it).
+        return [WorkerCall(method)(self.worker, tuple(args), dict(kwargs or {}))]

@@ -44,7 +44,8 @@ def update_block_hashes(request: Request, block_size: int) -> None:
     num_hashed_blocks = len(block_hashes)
     if num_hashed_blocks >= num_full_blocks:
         return
-    parent_hash = block_hashes[-1] if block_hashes else None
+    # NOTE: a prompt given as embeddings seeds the chain with their digest (placeholder ids).
+    parent_hash = block_hashes[-1] if block_hashes else getattr(request, "block_hash_seed", None)
     for block_idx in range(num_hashed_blocks, num_full_blocks):
         start = block_idx * block_size
         parent_hash = hash_block_tokens(parent_hash, token_ids[start : start + block_size])

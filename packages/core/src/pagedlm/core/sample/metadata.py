@@ -19,11 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedlm.core.platforms.interface import HOST
 from pagedlm.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedlm.core.sample.logits_processor import LogitsProcessorsStep
 
 _SAMPLING_EPS = 1e-5
 _NONE = torch.empty(0, dtype=torch.float32)
@@ -78,6 +82,9 @@ class SamplingMetadata:
     #: largest top-k of any row (``None`` when no row uses top-k): lets the sampler use
     #: ``torch.topk`` instead of sorting the vocabulary
     max_top_k: int | None = None
+    #: the custom logits processors (``LLM(logits_processors=...)``) for these rows; None when
+    #: none is configured. The model runner sets it.
+    logitsprocs: LogitsProcessorsStep | None = None
 
     @property
     def num_rows(self) -> int:

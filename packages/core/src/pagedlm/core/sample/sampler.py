@@ -5,20 +5,22 @@ Pipeline for logits ``[B, V]``:
 
 1. raw logprobs (only if some row wants them): ``log_softmax`` of the incoming logits in float32,
    before any processing — the model's own distribution, as vLLM returns by default.
-2. ``process_logits``: float32, logit bias, min-tokens masking, penalties. Skipped when no row
-   has a bias, min-tokens or penalty: it would only make a float32 copy, which neither step 3
-   nor the fused sampler needs.
+2. ``process_logits``: float32, logit bias, min-tokens masking, the custom logits processors
+   that may change the argmax (``SamplingMetadata.logitsprocs``, vLLM's order), penalties.
+   Skipped when no row has a bias, min-tokens or penalty and no such processor is configured: it
+   would only make a float32 copy, which neither step 3 nor the fused sampler needs.
 3. greedy rows: ``argmax`` of the processed logits (lowest index wins ties).
-4. random rows: divide by temperature, min-p, top-k, top-p, then the Gumbel-max draw
-   ``argmax(logits - log q)`` with ``q ~ Exponential(1)`` (so ``-log q`` is Gumbel), which
-   draws exactly from ``softmax(logits)`` without computing it: the exponential race
-   ``argmax(probs / q)`` in log space.
+4. random rows: divide by temperature, min-p, the argmax-invariant custom processors, top-k,
+   top-p, then the Gumbel-max draw ``argmax(logits - log q)`` with ``q ~ Exponential(1)`` (so
+   ``-log q`` is Gumbel), which draws exactly from ``softmax(logits)`` without computing it: the
+   exponential race ``argmax(probs / q)`` in log space.
 
    Fused path: where a platform registers ``"gumbel_sample"`` (see ``pagedlm.core.layers.
-   custom_ops``) for the platform the sampler is built for, a batch with random rows, no min-p/top-k/top-p and no
-   seeded random row is sampled by that one op instead: temperature, noise and argmax (greedy
-   rows included) in one pass over the logits in their own dtype. An all-greedy batch goes
-   through the op too where it exists: its argmax is the same ids, spread over many programs.
+   custom_ops``) for the platform the sampler is built for, a batch with random rows, no min-p/top-k/top-p, no
+   seeded random row and no argmax-invariant custom processor is sampled by that one op instead:
+   temperature, noise and argmax (greedy rows included) in one pass over the logits in their own
+   dtype (already processed by step 2 when there was anything to process). An all-greedy batch
+   goes through the op too where it exists: its argmax is the same ids, spread over many programs.
 
 Reproducibility contract: every random row consumes exactly one ``Exponential`` draw of ``V``
 values per call. Seeded rows draw theirs with their own generator, so a seeded request gives the
@@ -97,15 +99,19 @@ class Sampler(torch.nn.Module):
 
 def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """Logits ``[B, V]`` (any float dtype) -> processed float32 logits ``[B, V]``: logit bias,
-    then min-tokens masking, then repetition/frequency/presence penalties. Never modifies the
-    input tensor."""
+    then min-tokens masking, then the custom processors that may change the argmax, then
+    repetition/frequency/presence penalties. Never modifies the input tensor."""
     has_bias = any(md.logit_bias)
-    # Bias and min-tokens write in place; copy only then (``.to`` copies anyway from bf16/fp16).
-    out = logits.to(torch.float32, copy=bool(has_bias or md.min_tokens))
+    procs = md.logitsprocs if md.logitsprocs is not None and md.logitsprocs.non_argmax_invariant else None
+    # Bias, min-tokens and custom processors write in place; copy only then (``.to`` copies
+    # anyway from bf16/fp16).
+    out = logits.to(torch.float32, copy=bool(has_bias or md.min_tokens or procs))
     if has_bias:
         out = apply_logit_bias(out, md.logit_bias)
     if md.min_tokens:
         out = apply_min_tokens(out, md.output_token_ids, md.min_tokens)
+    if procs is not None:
+        out = procs.apply_non_argmax_invariant(out)
     if not md.no_penalties:
         out = apply_penalties(
             out,
@@ -120,7 +126,8 @@ def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 def _needs_processing(md: SamplingMetadata) -> bool:
     """Whether ``process_logits`` does more than a float32 copy for this batch."""
-    return any(md.logit_bias) or bool(md.min_tokens) or not md.no_penalties
+    return (any(md.logit_bias) or bool(md.min_tokens) or not md.no_penalties
+            or (md.logitsprocs is not None and md.logitsprocs.non_argmax_invariant))
 
 
 def sample(logits: torch.Tensor, md: SamplingMetadata, gumbel_sample: LayerOp | None = None) -> torch.Tensor:
@@ -141,7 +148,9 @@ def sample(logits: torch.Tensor, md: SamplingMetadata, gumbel_sample: LayerOp | 
             return gumbel_sample(logits, md.temperature, 0, 0)
         return logits.argmax(dim=-1)
     generators = _random_generators(md)
-    fusable = not generators and md.min_p is None and md.top_k is None and md.top_p is None
+    # Argmax-invariant custom processors run after the temperature, which the fused op applies.
+    late_procs = md.logitsprocs if md.logitsprocs is not None and md.logitsprocs.argmax_invariant else None
+    fusable = not generators and md.min_p is None and md.top_k is None and md.top_p is None and late_procs is None
     if gumbel_sample is not None and fusable:
         # Greedy rows have temperature 0.0, for which the op takes the argmax. The key comes
         # from the default CPU generator: no device sync, and torch.manual_seed replays it.
@@ -157,6 +166,8 @@ def sample(logits: torch.Tensor, md: SamplingMetadata, gumbel_sample: LayerOp | 
     logits = logits / md.random_temperature.unsqueeze(1)
     if md.min_p is not None:
         logits = apply_min_p(logits, md.min_p)
+    if late_procs is not None:
+        logits = late_procs.apply_argmax_invariant(logits)  # a new tensor (the division made it)
     if md.top_k is not None or md.top_p is not None:
         logits = apply_top_k_top_p(logits, md.top_k, md.top_p, max_top_k=md.max_top_k)
     random_tokens = gumbel_max(logits, generators)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedlm.core.sampling_params import SamplingParams
 
@@ -17,6 +18,9 @@ class NewRequestData:
     #: one block table per KV-cache group (kv_cache/spec.py)
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
+    #: ``[num_prompt_tokens, hidden]`` CPU tensor when the prompt is given as embeddings
+    #: (``prompt_token_ids`` are placeholders then)
+    prompt_embeds: Any = None
 
 
 @dataclass

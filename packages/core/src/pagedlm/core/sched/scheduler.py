@@ -223,6 +223,7 @@ class Scheduler:
                         sampling_params=request.sampling_params,
                         block_ids=block_ids,
                         num_computed_tokens=num_computed,
+                        prompt_embeds=request.prompt_embeds,
                     )
                 )
             request.status = RequestStatus.RUNNING

@@ -9,6 +9,7 @@ gathered with vectorized numpy indexing instead of per-token Python loops.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,6 +38,9 @@ class CachedRequestState:
     #: prompt logprobs gathered over the prompt's chunks, sent when the prompt is done
     prompt_logprobs_parts: list[tuple[list[list[int]], list[list[float]], list[int]]] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    #: ``[num_prompt_tokens, hidden]`` (CPU) for a prompt given as embeddings; its
+    #: ``prompt_token_ids`` are placeholders then
+    prompt_embeds: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -119,7 +123,7 @@ class InputBatch:
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id, row=row, prompt_token_ids=list(new.prompt_token_ids), sampling_params=params,
                 generator=generator, num_tokens=num_prompt, num_computed_tokens=new.num_computed_tokens,
-                num_blocks=[len(ids) for ids in new.block_ids],
+                num_blocks=[len(ids) for ids in new.block_ids], prompt_embeds=new.prompt_embeds,
             )
         # One token per decode row is the common case: those are written in one numpy assignment.
         rows: list[int] = []

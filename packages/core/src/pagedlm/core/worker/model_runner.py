@@ -31,8 +31,10 @@ from pagedlm.core.sample import (
     build_sampling_metadata,
     compute_topk_logprobs,
 )
+from pagedlm.core.sample.logits_processor import BatchLogitsProcessors, build_logitsprocs
 from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedlm.core.worker.input_batch import InputBatch, StepInputs
+from pagedlm.core.worker.prompt_embeds import embedding_body, gather_step_prompt_embeds, input_embeddings_override
 
 logger = init_logger(__name__)
 
@@ -127,6 +129,10 @@ def _done(output: ModelRunnerOutput, non_block: bool) -> ModelRunnerOutput | Asy
 
 
 class ModelRunner:
+    #: its ``run_model`` feeds prompt embeddings (``enable_prompt_embeds``); a subclass that
+    #: replaces ``run_model`` is taken not to, unless it (or a subclass) declares it again
+    supports_prompt_embeds: bool = True
+
     def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
         self.vllm_config = vllm_config
         self.device = device
@@ -163,6 +169,23 @@ class ModelRunner:
         self.metadata_builder = self.attn_backend.get_builder_cls()(block_size=self.block_size, device=device)
         self._sampling_key: tuple | None = None
         self._sampling_md: SamplingMetadata | None = None
+        # The custom logits processors (LLM(logits_processors=...)) and the batch indices they see.
+        procs = build_logitsprocs(vllm_config, device, self.platform.is_pin_memory_available())
+        self.logitsprocs: BatchLogitsProcessors | None = BatchLogitsProcessors(procs) if procs else None
+        if vllm_config.model_config.enable_prompt_embeds:
+            self._check_prompt_embeds_support()
+
+    def _check_prompt_embeds_support(self) -> None:
+        # The class nearest in the MRO that replaces run_model or declares support decides.
+        owner = next(c for c in type(self).__mro__
+                     if "run_model" in c.__dict__ or "supports_prompt_embeds" in c.__dict__)
+        if not owner.__dict__.get("supports_prompt_embeds", False):
+            raise ValueError(
+                f"enable_prompt_embeds=True is not supported by {type(self).__name__} (its forward pass does not "
+                "feed prompt embeddings yet); run on the CPU (device='cpu') or drop enable_prompt_embeds")
+        if get_pp_group().world_size > 1:
+            raise ValueError("enable_prompt_embeds=True does not work with pipeline parallelism yet "
+                             "(pipeline_parallel_size > 1)")
 
     # -- set-up -----------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -170,6 +193,9 @@ class ModelRunner:
             self.model, self.attention_layers = load_model(self.vllm_config, self.attn_backend, self.device)
         #: bytes of this rank's parameters (a tied tensor once)
         self.model_weight_bytes = _tensor_bytes(self.model)
+        if self.vllm_config.model_config.enable_prompt_embeds and embedding_body(self.model) is None:
+            raise ValueError(f"enable_prompt_embeds=True needs a model whose body embeds its input through "
+                             f"model.get_input_embeddings(input_ids); {type(self.model).__name__} has none")
         # The groups of this rank's layers; the engine core replaces them with the groups of every
         # rank's layers (pipeline stages hold different layers) before sizing the cache.
         self.set_kv_cache_groups(make_kv_cache_groups(self.get_kv_cache_specs()))
@@ -241,6 +267,8 @@ class ModelRunner:
         be run before that: tokens still on the device are fed to it there."""
         batch = self.input_batch
         batch.update(sched)
+        if self.logitsprocs is not None:
+            self.logitsprocs.update(batch.requests, batch.membership_version)
         if sched.total_num_scheduled_tokens == 0:
             return _done(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]), non_block)
         step = batch.prepare(sched)
@@ -295,12 +323,16 @@ class ModelRunner:
             self._sampling_key = key
             self._sampling_md = build_sampling_metadata(
                 [s.sampling_params for s in sample_states],
-                prompt_token_ids=[s.prompt_token_ids for s in sample_states],
+                # NOTE: a prompt given as embeddings has placeholder ids: penalties see no prompt
+                prompt_token_ids=[s.prompt_token_ids if s.prompt_embeds is None else [] for s in sample_states],
                 output_token_ids=[s.output_token_ids for s in sample_states],
                 vocab_size=vocab_size,
                 device=self.device,
                 generators={i: s.generator for i, s in enumerate(sample_states) if s.generator is not None},
             )
+            if self.logitsprocs is not None:
+                self._sampling_md.logitsprocs = self.logitsprocs.step_view(
+                    [s.req_id for s in sample_states], self.device)
         assert self._sampling_md is not None
         return self._sampling_md
 
@@ -312,8 +344,16 @@ class ModelRunner:
         """
         assert self.model is not None
         metadata, input_ids, positions = self._eager_inputs(step)
+        embeds = None
+        if self.vllm_config.model_config.enable_prompt_embeds:
+            embeds = gather_step_prompt_embeds(step, self.input_batch.requests, self.device, self.dtype)
         with set_forward_context(metadata):
-            return self.model(input_ids, positions)
+            if embeds is None:
+                return self.model(input_ids, positions)
+            body = embedding_body(self.model)
+            assert body is not None
+            with input_embeddings_override(body, *embeds):
+                return self.model(input_ids, positions)
 
     def _eager_inputs(self, step: StepInputs) -> tuple[object, torch.Tensor, torch.Tensor]:
         """(attention metadata, input_ids [T], positions [T]) of a step, copied to the device."""

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from pagedlm.core.config import VllmConfig
 from pagedlm.core.distributed import (
     destroy_distributed_environment,
+    get_pp_group,
+    get_tp_group,
     init_distributed_environment,
     initialize_model_parallel,
 )
@@ -16,6 +20,7 @@ from pagedlm.core.platforms import resolve_platform
 from pagedlm.core.plugins import resolve_class_path
 from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedlm.core.worker.model_runner import AsyncModelRunnerOutput, ModelRunner
+from pagedlm.core.worker.profiler import WorkerProfiler
 
 logger = init_logger(__name__)
 
@@ -34,6 +39,7 @@ class Worker:
         self.platform = resolve_platform(vllm_config.device_config.device)
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
+        self.profiler: WorkerProfiler | None = None
 
     def init_device(self) -> None:
         self.device = self.platform.set_device(self.local_rank)
@@ -49,6 +55,12 @@ class Worker:
         torch.manual_seed(self.vllm_config.model_config.seed)
         runner_cls = resolve_class_path(self.platform.get_model_runner_cls(self.vllm_config))
         self.model_runner = runner_cls(self.vllm_config, self.device)
+        if self.vllm_config.profiler_config.profiler == "torch":
+            dp = pc.data_parallel_rank
+            pp, tp = get_pp_group().rank_in_group, get_tp_group().rank_in_group
+            self.profiler = WorkerProfiler(self.vllm_config.profiler_config, rank=self.rank,
+                                           name_suffix=f"dp{dp}_pp{pp}_tp{tp}",
+                                           device_activity=self.platform.profiler_activity)
 
     def load_model(self) -> None:
         assert self.model_runner is not None
@@ -90,10 +102,29 @@ class Worker:
         NOTE: the scheduler output is all this rank learns: a pipeline stage that does not sample
         gets the sampled tokens it must feed from ``CachedRequestData.new_token_ids``."""
         assert self.model_runner is not None
+        if self.profiler is not None:
+            self.profiler.step()
         return self.model_runner.execute_model(scheduler_output, non_block=non_block)
+
+    def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
+        """Start or stop this worker's torch profiler (``LLM.start_profile`` / ``stop_profile``)."""
+        if self.profiler is None:
+            raise RuntimeError("profiling is not enabled: pass LLM(profiler_config={'profiler': 'torch', "
+                               "'torch_profiler_dir': DIR}) (--profiler-config) or set VLLM_TORCH_PROFILER_DIR")
+        if is_start:
+            self.profiler.start(profile_prefix)
+        else:
+            self.profiler.stop()
+
+    def get_model(self) -> Any:
+        """This rank's model (``torch.nn.Module``; vLLM's ``Worker.get_model``)."""
+        assert self.model_runner is not None
+        return self.model_runner.model
 
     def check_health(self) -> None:
         """Returns if the worker can serve calls (the executor times the answer)."""
 
     def shutdown(self) -> None:
+        if self.profiler is not None:
+            self.profiler.shutdown()
         destroy_distributed_environment()

@@ -59,6 +59,10 @@ class FusedMoEMethodBase:
               topk_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        """Repack loaded weights for :meth:`apply` (the loader calls it on every layer's method, as
+        on a linear layer's quantization method); nothing to do in the model dtype."""
+
 
 class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     """Experts in the model dtype, run by the ``fused_experts`` op."""
