@@ -49,13 +49,12 @@ TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def copy_bandwidth(gib: float = 4.0) -> float:
-    """Device-to-device copy, bytes read + written per second (the practical HBM ceiling)."""
-    n = int(gib * 2**30) // 4
-    src = torch.empty(n, dtype=torch.float32, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    return 2 * n * 4 / (ms * 1e-3)
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (the practical HBM ceiling), as
+    the platform measures it for ``pagedlm bench latency``."""
+    from pagedlm.backends.cuda.platform import CudaPlatform
+
+    return float(CudaPlatform().copy_bandwidth_bytes_per_s(torch.device("cuda")) or 0.0)
 
 
 def make_experts(shape: str, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
