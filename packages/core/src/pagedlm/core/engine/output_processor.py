@@ -3,7 +3,9 @@
 It runs once per engine step for every request of the step, so each request costs what changed
 for it: its new tokens are appended and detokenized, and a ``RequestOutput`` is built only when
 one is sent — for ``FINAL_ONLY`` once, when the request finishes; for streamed requests
-(``DELTA``, ``CUMULATIVE``) every step.
+(``DELTA``, ``CUMULATIVE``) every step, or with ``stream_interval=N`` once at least N new tokens
+have collected since the last one (and on the first token, and when the request finishes). The
+tokens in between are merged into that output: nothing is lost.
 """
 
 from __future__ import annotations
@@ -60,8 +62,13 @@ class _RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any | None) -> None:
+    def __init__(self, tokenizer: Any | None, *, stream_interval: int = 1) -> None:
+        if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval={stream_interval!r} is invalid: must be an integer >= 1 "
+                             "(tokens per streamed output)")
         self.tokenizer = tokenizer
+        #: a streamed request gets an output once at least this many new tokens collected
+        self.stream_interval = stream_interval
         self.requests: dict[str, _RequestState] = {}
         # child (engine) request id -> parent request id
         self.parent_of: dict[str, str] = {}
@@ -158,16 +165,27 @@ class OutputProcessor:
             touched[parent_id] = state
 
         results = []
+        interval = self.stream_interval
         for parent_id, state in touched.items():
             finished = state.num_unfinished == 0
             if finished:
                 del requests[parent_id]
                 for child_id in state.sequences:
                     parent_of.pop(child_id, None)
-            elif not state.streams:
+            elif not state.streams or (interval > 1 and not self._interval_reached(state)):
                 continue
             results.append(self._make_output(state, finished))
         return results, to_abort
+
+    def _interval_reached(self, state: _RequestState) -> bool:
+        """Whether a sequence of the request has its first token, or ``stream_interval`` tokens,
+        not sent yet."""
+        interval = self.stream_interval
+        for seq in state.ordered:
+            num_unsent = len(seq.token_ids) - seq.sent_tokens
+            if num_unsent >= interval or (num_unsent and not seq.sent_tokens):
+                return True
+        return False
 
     def _make_output(self, state: _RequestState, finished: bool) -> RequestOutput:
         delta = state.params.output_kind == RequestOutputKind.DELTA
