@@ -7,14 +7,16 @@ output processing. Compare its per-step time with a GPU run's to see how much of
 needs on that machine:
 
     python3 packages/backend-cuda/benchmarks/host_overhead.py [--async-scheduling] [--repeat 3]
-        [--breakdown] [--detokenize] [--stream] [--stream-interval N] [--profile 30]
+        [--breakdown] [--detokenize] [--stream] [--stream-interval N] [--cpu-time] [--profile 30]
 
 ``--breakdown`` times the engine's parts per step (scheduler, its update, the output processor,
 the runner's input preparation, ...); the timers add a few microseconds per call. ``--detokenize``
 gives the model a trained BPE tokenizer (the stub then samples ids of learned tokens), so the
 output processor detokenizes as it would for text prompts; ``--stream`` makes every request
 stream DELTA outputs (what the server asks for) instead of ``LLM.generate``'s finished outputs
-only. ``--profile N`` prints cProfile's N most expensive functions (by own time) of the last run.
+only, and ``--stream-interval N`` sets the engine's ``stream_interval``. ``--cpu-time`` measures
+the thread's CPU time instead of the wall clock (steadier on a shared machine). ``--profile N``
+prints cProfile's N most expensive functions (by own time) of the last run.
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ _RUNNER_INNER = ("runner: InputBatch.update", "runner: InputBatch.prepare", "run
 class Timers:
     """Accumulated wall time per wrapped method."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.perf_counter) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        self.clock = clock
 
     def wrap(self, label: str, target: str) -> None:
         import importlib
@@ -60,7 +63,7 @@ class Timers:
         cls_name, method_name = qualname.split(".")
         cls = getattr(importlib.import_module(module_name), cls_name)
         inner = getattr(cls, method_name)
-        seconds, calls, clock = self.seconds, self.calls, time.perf_counter
+        seconds, calls, clock = self.seconds, self.calls, self.clock
 
         def timed(*args, **kwargs):
             start = clock()
@@ -101,6 +104,8 @@ def main() -> None:
     parser.add_argument("--detokenize", action="store_true", help="a real tokenizer: detokenize the outputs")
     parser.add_argument("--stream", action="store_true", help="every request streams DELTA outputs")
     parser.add_argument("--stream-interval", type=int, default=1, help="EngineArgs.stream_interval")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time with the thread's CPU time instead of the wall clock (a busy machine)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="print cProfile's N most expensive functions of the last run")
     args = parser.parse_args()
@@ -126,7 +131,8 @@ def main() -> None:
     CausalLM.compute_logits = lambda self, hidden: torch.zeros(hidden.shape[0], 8)
     sampler.Sampler.__call__ = sample
 
-    timers = Timers()
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    timers = Timers(clock)
     if args.breakdown:
         for label, target in PARTS:
             timers.wrap(label, target)
@@ -147,7 +153,7 @@ def main() -> None:
         for i in range(args.repeat):
             timers.reset()
             profiler = cProfile.Profile() if args.profile and i == args.repeat - 1 else None
-            start = time.perf_counter()
+            start = clock()
             if profiler is not None:
                 profiler.enable()
             num_outputs = 0
@@ -159,7 +165,7 @@ def main() -> None:
                     num_outputs += len(engine.step())
             else:
                 llm.generate(prompts, workload.sampling_params(), use_tqdm=False)
-            elapsed = time.perf_counter() - start
+            elapsed = clock() - start
             if profiler is not None:
                 profiler.disable()
             steps = engine.core.scheduler.make_stats().step
