@@ -55,16 +55,21 @@ class IncrementalDetokenizer:
     the new tokens and the same window without them; the window slides forward once the text it
     yields is complete (no trailing U+FFFD from a half-decoded multi-byte character). Each token
     costs one decode of the window (plus one of the new window's head when it slides), whatever
-    the length of the sequence.
+    the length of the sequence. ``token_texts`` (a dict shared by every sequence of one decode
+    function) remembers the text of single tokens: a head of one token, the common case once
+    every token yields text, is then decoded once per distinct token instead of once per step.
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], *, skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = True, stop: list[str] | None = None,
-                 include_stop_str_in_output: bool = False, decode: Decode | None = None) -> None:
+                 include_stop_str_in_output: bool = False, decode: Decode | None = None,
+                 token_texts: dict[int, str] | None = None) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self._decode = decode or make_decode(tokenizer, skip_special_tokens)
+        #: token id -> decode([token id]), shared by the sequences decoded the same way
+        self._token_texts: dict[int, str] = {} if token_texts is None else token_texts
         #: the window: the tokens of the last piece of text (``window[:read]``, whose decoded text
         #: is ``_prefix_text``) followed by the tokens that have not produced text yet
         self._window: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
@@ -83,7 +88,7 @@ class IncrementalDetokenizer:
             window.append(token_id)
             prefix_text = self._prefix_text
             if prefix_text is None:
-                prefix_text = self._prefix_text = decode(window[: self._read])
+                prefix_text = self._prefix_text = self._head_text()
             new_text = decode(window)
             if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
                 pieces.append(new_text[len(prefix_text) :])
@@ -99,6 +104,16 @@ class IncrementalDetokenizer:
             return None
         return self._check_stop_strings(start_len)
 
+    def _head_text(self) -> str:
+        """The text of ``window[:read]`` (the tokens of the last piece)."""
+        if self._read != 1:
+            return self._decode(self._window[: self._read])
+        token_id = self._window[0]
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self._decode([token_id])
+        return text
+
     def _append(self, piece: str) -> None:
         # NOTE: the attribute lets go of the text first, so that ``+=`` on the only reference
         # extends it in place (CPython) instead of copying the whole text for every token.
@@ -113,7 +128,7 @@ class IncrementalDetokenizer:
         if self._read < len(window):
             prefix_text = self._prefix_text
             if prefix_text is None:
-                prefix_text = self._decode(window[: self._read])
+                prefix_text = self._head_text()
             new_text = self._decode(window)
             self._append(new_text[len(prefix_text) :])
             window.clear()

@@ -73,13 +73,16 @@ class OutputProcessor:
         # child (engine) request id -> parent request id
         self.parent_of: dict[str, str] = {}
         # skip_special_tokens -> the tokenizer's decode function (made once, see make_decode)
-        self._decoders: dict[bool, Decode] = {}
+        # and the texts of single tokens it gave (token id -> text)
+        self._decoders: dict[bool, tuple[Decode, dict[int, str]]] = {}
+        #: token id -> ``tokenizer.decode([token id])``, the decoded token of logprobs
+        self._logprob_token_texts: dict[int, str] = {}
 
-    def _decoder(self, skip_special_tokens: bool) -> Decode:
-        decode = self._decoders.get(skip_special_tokens)
-        if decode is None:
-            decode = self._decoders[skip_special_tokens] = make_decode(self.tokenizer, skip_special_tokens)
-        return decode
+    def _decoder(self, skip_special_tokens: bool) -> tuple[Decode, dict[int, str]]:
+        decoder = self._decoders.get(skip_special_tokens)
+        if decoder is None:
+            decoder = self._decoders[skip_special_tokens] = (make_decode(self.tokenizer, skip_special_tokens), {})
+        return decoder
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, child_ids: list[str], child_params: list[SamplingParams]) -> None:
@@ -87,11 +90,12 @@ class OutputProcessor:
         for index, (child_id, p) in enumerate(zip(child_ids, child_params)):
             detok = None
             if self.tokenizer is not None and p.detokenize:
+                decode, token_texts = self._decoder(p.skip_special_tokens)
                 detok = IncrementalDetokenizer(
                     self.tokenizer, prompt_token_ids, skip_special_tokens=p.skip_special_tokens,
                     spaces_between_special_tokens=p.spaces_between_special_tokens, stop=list(p.stop or []),
                     include_stop_str_in_output=p.include_stop_str_in_output,
-                    decode=self._decoder(p.skip_special_tokens),
+                    decode=decode, token_texts=token_texts,
                 )
             sequences[child_id] = _SequenceState(
                 child_id, index, p, detok, logprobs=[] if p.logprobs is not None else None,
@@ -223,7 +227,11 @@ class OutputProcessor:
     def _decode_token(self, token_id: int) -> str | None:
         if self.tokenizer is None:
             return None
-        return self.tokenizer.decode([token_id])
+        text = self._logprob_token_texts.get(token_id)
+        if text is None:
+            # (the same text every time: each token is decoded once, not once per logprob)
+            text = self._logprob_token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _logprob_dict(self, ids: list[int], values: list[float], rank: int) -> dict[int, Logprob]:
         entry: dict[int, Logprob] = {}
