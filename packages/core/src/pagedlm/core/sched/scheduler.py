@@ -174,7 +174,7 @@ class Scheduler:
             # or the token sampled in the previous step) unless its last batch is still in flight
             # (pipeline parallelism keeps several batches in flight); then it waits for the token.
             # With a token in flight it must wait for it when it reads its output history on the
-            # host, or when its next token could end it by length (_must_wait_for_token, inlined).
+            # host, or when its next token could end it by length.
             if num_new_tokens <= 0 or (num_placeholders and (
                     request.needs_output_history or num_tokens + num_placeholders >= request.max_num_tokens)):
                 continue
@@ -274,12 +274,6 @@ class Scheduler:
         self.finished_req_ids = set()
         self._update_stats(output, len(preempted), num_decode_tokens)
         return output
-
-    def _must_wait_for_token(self, request: Request) -> bool:
-        """Whether a request with a token in flight must not be scheduled past it (inlined in
-        ``schedule``)."""
-        pending = request.num_output_placeholders
-        return request.needs_output_history or request.num_tokens + pending >= request.max_num_tokens
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
