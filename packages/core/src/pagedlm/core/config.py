@@ -405,6 +405,10 @@ class SchedulerConfig(_Freezable):
     ``async_scheduling`` schedules step N+1 while the device runs step N; the token sampled in
     step N is fed to step N+1 on the device. ``None`` (default) turns it on where the platform
     gains from it (``Platform.supports_async_scheduling``) and one process runs the model.
+
+    ``stream_interval`` (the front end's output processor reads it) sends a streamed request's
+    output only once ``stream_interval`` new tokens have collected, on its first token and
+    when it finishes; the outputs in between are merged, so nothing is lost.
     """
 
     max_num_seqs: int = 256
@@ -412,10 +416,17 @@ class SchedulerConfig(_Freezable):
     enable_chunked_prefill: bool = True
     max_model_len: int = 2048
     async_scheduling: bool | None = None
+    #: a streamed request gets an output once at least this many new tokens collected (and on
+    #: its first token, and when it finishes); vLLM's ``--stream-interval``
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int) \
+                or self.stream_interval < 1:
+            raise ValueError(f"stream_interval={self.stream_interval!r} is invalid: must be an integer >= 1 "
+                             "(the number of tokens a streamed output collects before it is sent)")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
 

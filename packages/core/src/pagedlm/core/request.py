@@ -87,6 +87,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.max_tokens = max_tokens if max_tokens is not None else (sampling_params.max_tokens or 1)
+        #: prompt + output tokens at which the request ends by length; the scheduler caps it at
+        #: max_model_len when the request arrives
+        self.max_num_tokens = self.num_prompt_tokens + self.max_tokens
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
         #: tokens sampled on the device but not yet back on the host (async scheduling); the

@@ -39,6 +39,8 @@ _HELP = {
     "enable_chunked_prefill": "split long prompts across steps",
     "async_scheduling": "schedule step N+1 while the device runs step N (default: on where the platform "
     "gains from it, e.g. CUDA, with one process)",
+    "stream_interval": "streamed outputs carry at least this many new tokens (the first token and the last "
+    "output are sent at once); larger values cost less host time per token (vLLM's --stream-interval)",
     "tensor_parallel_size": "ranks per tensor-parallel group",
     "pipeline_parallel_size": "pipeline stages",
     "data_parallel_size": "engine replicas",
@@ -86,6 +88,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     async_scheduling: bool | None = None
+    stream_interval: int = 1
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -154,6 +157,7 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 async_scheduling=self.async_scheduling,
+                stream_interval=self.stream_interval,
             ),
             load_config=LoadConfig(load_format=self.load_format),
             device_config=DeviceConfig(device=self.device),

@@ -88,7 +88,8 @@ class AsyncLLM:
             self.tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code,
                                            revision=mc.revision, architectures=mc.architectures)
         self.processor = Processor(vllm_config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, stream_interval=vllm_config.scheduler_config.stream_interval)
         self.stat_loggers: list[StatLoggerBase] = list(stat_loggers)
         if log_stats:
             self.stat_loggers.append(LoggingStatLogger())

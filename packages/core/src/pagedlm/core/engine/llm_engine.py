@@ -67,7 +67,8 @@ class LLMEngine:
         else:
             self.engine_core = InprocClient(vllm_config)
         self.processor = Processor(vllm_config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, stream_interval=vllm_config.scheduler_config.stream_interval)
         #: request statistics for get_metrics (per output of every step: off unless asked for)
         self._tracker = RequestStatsTracker() if log_stats else None
         self._collector = MetricsCollector(vllm_config.model_config.name)

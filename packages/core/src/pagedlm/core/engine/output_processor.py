@@ -1,11 +1,19 @@
-"""OutputProcessor: EngineCoreOutputs -> RequestOutputs (text, logprobs, stop strings, n > 1)."""
+"""OutputProcessor: EngineCoreOutputs -> RequestOutputs (text, logprobs, stop strings, n > 1).
+
+It runs once per engine step for every request of the step, so each request costs what changed
+for it: its new tokens are appended and detokenized, and a ``RequestOutput`` is built only when
+one is sent — for ``FINAL_ONLY`` once, when the request finishes; for streamed requests
+(``DELTA``, ``CUMULATIVE``) every step, or with ``stream_interval=N`` once at least N new tokens
+have collected since the last one (and on the first token, and when the request finishes). The
+tokens in between are merged into that output: nothing is lost.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedlm.core.engine.detokenizer import IncrementalDetokenizer
+from pagedlm.core.engine.detokenizer import Decode, IncrementalDetokenizer, make_decode
 from pagedlm.core.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from pagedlm.core.sampling_params import RequestOutputKind, SamplingParams
 from pagedlm.core.sched import EngineCoreOutput
@@ -26,6 +34,7 @@ class _SequenceState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    #: tokens (and, for DELTA, characters of text) already in an output sent to the user
     sent_tokens: int = 0
     sent_text: int = 0
 
@@ -40,22 +49,40 @@ class _RequestState:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    #: sequences not finished yet (kept as a count: finished is read for every request, every step)
+    num_unfinished: int = 0
+    #: the sequences in output order (their index)
+    ordered: list[_SequenceState] = field(default_factory=list)
+    #: whether it sends outputs before it finishes (DELTA or CUMULATIVE)
+    streams: bool = False
 
     @property
     def finished(self) -> bool:
-        # NOTE: a loop, not all(genexpr): this runs for every request in every step.
-        for seq in self.sequences.values():  # noqa: SIM110
-            if seq.finish_reason is None:
-                return False
-        return True
+        return self.num_unfinished == 0
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any | None) -> None:
+    def __init__(self, tokenizer: Any | None, *, stream_interval: int = 1) -> None:
+        if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval={stream_interval!r} is invalid: must be an integer >= 1 "
+                             "(tokens per streamed output)")
         self.tokenizer = tokenizer
+        #: a streamed request gets an output once at least this many new tokens collected
+        self.stream_interval = stream_interval
         self.requests: dict[str, _RequestState] = {}
         # child (engine) request id -> parent request id
         self.parent_of: dict[str, str] = {}
+        # skip_special_tokens -> the tokenizer's decode function (made once, see make_decode)
+        # and the texts of single tokens it gave (token id -> text)
+        self._decoders: dict[bool, tuple[Decode, dict[int, str]]] = {}
+        #: token id -> ``tokenizer.decode([token id])``, the decoded token of logprobs
+        self._logprob_token_texts: dict[int, str] = {}
+
+    def _decoder(self, skip_special_tokens: bool) -> tuple[Decode, dict[int, str]]:
+        decoder = self._decoders.get(skip_special_tokens)
+        if decoder is None:
+            decoder = self._decoders[skip_special_tokens] = (make_decode(self.tokenizer, skip_special_tokens), {})
+        return decoder
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                     params: SamplingParams, child_ids: list[str], child_params: list[SamplingParams]) -> None:
@@ -63,17 +90,23 @@ class OutputProcessor:
         for index, (child_id, p) in enumerate(zip(child_ids, child_params)):
             detok = None
             if self.tokenizer is not None and p.detokenize:
+                decode, token_texts = self._decoder(p.skip_special_tokens)
                 detok = IncrementalDetokenizer(
                     self.tokenizer, prompt_token_ids or [], skip_special_tokens=p.skip_special_tokens,
                     spaces_between_special_tokens=p.spaces_between_special_tokens, stop=list(p.stop or []),
                     include_stop_str_in_output=p.include_stop_str_in_output,
+                    decode=decode, token_texts=token_texts,
                 )
             sequences[child_id] = _SequenceState(
                 child_id, index, p, detok, logprobs=[] if p.logprobs is not None else None,
                 cumulative_logprob=0.0 if p.logprobs is not None else None,
             )
             self.parent_of[child_id] = request_id
-        self.requests[request_id] = _RequestState(request_id, prompt, prompt_token_ids, params, sequences)
+        self.requests[request_id] = _RequestState(
+            request_id, prompt, prompt_token_ids, params, sequences, num_unfinished=len(sequences),
+            ordered=sorted(sequences.values(), key=lambda s: s.index),
+            streams=params.output_kind != RequestOutputKind.FINAL_ONLY,
+        )
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -103,14 +136,20 @@ class OutputProcessor:
         return outputs, [out.request_id for out in endings]
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns (outputs for the user, engine request ids to abort because a stop string hit)."""
+        """Returns (outputs for the user, engine request ids to abort because a stop string hit).
+
+        ``outputs`` may hold several outputs of one request (AsyncLLM passes several steps at
+        once when it lags): the request then gets one ``RequestOutput`` for all of them.
+        """
+        # parent request id -> its state, for the requests that may send an output now
         touched: dict[str, _RequestState] = {}
         to_abort: list[str] = []
+        parent_of, requests = self.parent_of, self.requests
         for out in outputs:
-            parent_id = self.parent_of.get(out.request_id)
+            parent_id = parent_of.get(out.request_id)
             if parent_id is None:
                 continue
-            state = self.requests[parent_id]
+            state = requests[parent_id]
             seq = state.sequences[out.request_id]
             if seq.finish_reason is not None:
                 # Already stopped (a stop string) by an earlier output of the same call: AsyncLLM
@@ -121,56 +160,74 @@ class OutputProcessor:
                 state.prompt_logprobs = self._prompt_logprobs(out.new_prompt_logprobs)
             if out.error is not None:
                 state.error = out.error
-            seq.token_ids.extend(out.new_token_ids)
+            new_token_ids = out.new_token_ids
+            seq.token_ids += new_token_ids
             if out.new_logprobs is not None and seq.logprobs is not None:
                 self._append_logprobs(seq, out.new_logprobs)
-            stop_str = seq.detokenizer.update(out.new_token_ids) if seq.detokenizer is not None else None
-            if stop_str is not None and out.finish_reason is None:
+            detok = seq.detokenizer
+            stop_str = detok.update(new_token_ids) if detok is not None else None
+            if stop_str is not None:
+                if out.finish_reason is None:
+                    to_abort.append(out.request_id)
                 seq.finish_reason, seq.stop_reason = "stop", stop_str
-                to_abort.append(out.request_id)
-            elif stop_str is not None:
-                seq.finish_reason, seq.stop_reason = "stop", stop_str
+                state.num_unfinished -= 1
             elif out.finish_reason is not None:
                 seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
-                if seq.detokenizer is not None:
-                    seq.detokenizer.flush()
+                state.num_unfinished -= 1
+                if detok is not None:
+                    detok.flush()
+            elif not state.streams:
+                continue  # FINAL_ONLY and not finished: nothing to send
             touched[parent_id] = state
 
         results = []
+        interval = self.stream_interval
         for parent_id, state in touched.items():
-            output = self._make_output(state)
-            if state.finished:
-                del self.requests[parent_id]
+            finished = state.num_unfinished == 0
+            if finished:
+                del requests[parent_id]
                 for child_id in state.sequences:
-                    self.parent_of.pop(child_id, None)
-            if output is not None:
-                results.append(output)
+                    parent_of.pop(child_id, None)
+            elif not state.streams or (interval > 1 and not self._interval_reached(state)):
+                continue
+            results.append(self._make_output(state, finished))
         return results, to_abort
 
-    def _make_output(self, state: _RequestState) -> RequestOutput | None:
-        kind = state.params.output_kind
-        finished = state.finished
-        if kind == RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        delta = kind == RequestOutputKind.DELTA
+    def _interval_reached(self, state: _RequestState) -> bool:
+        """Whether a sequence of the request has its first token, or ``stream_interval`` tokens,
+        not sent yet."""
+        interval = self.stream_interval
+        for seq in state.ordered:
+            num_unsent = len(seq.token_ids) - seq.sent_tokens
+            if num_unsent >= interval or (num_unsent and not seq.sent_tokens):
+                return True
+        return False
+
+    def _make_output(self, state: _RequestState, finished: bool) -> RequestOutput:
+        delta = state.params.output_kind == RequestOutputKind.DELTA
         completions = []
-        for seq in sorted(state.sequences.values(), key=lambda s: s.index):
+        for seq in state.ordered:
             text = seq.detokenizer.text if seq.detokenizer is not None else ""
-            token_ids, logprobs = seq.token_ids, seq.logprobs
+            num_tokens = len(seq.token_ids)
+            logprobs = seq.logprobs
             if delta:
                 end = len(text)
                 if seq.finish_reason is None and seq.params.stop and not seq.params.include_stop_str_in_output:
                     # A stop string that starts in this text but ends in a later token would cut
                     # text already streamed; hold back its longest possible prefix until then.
                     end = max(seq.sent_text, end - max(len(s) for s in seq.params.stop) + 1)
-                token_ids, text = token_ids[seq.sent_tokens :], text[seq.sent_text : end]
+                token_ids, text = seq.token_ids[seq.sent_tokens :], text[seq.sent_text : end]
                 if logprobs is not None:
                     logprobs = logprobs[seq.sent_tokens :]
-                seq.sent_tokens, seq.sent_text = len(seq.token_ids), seq.sent_text + len(text)
+                seq.sent_text += len(text)
+            else:
+                token_ids = list(seq.token_ids)
+                if logprobs is not None:
+                    logprobs = list(logprobs)
+            seq.sent_tokens = num_tokens
             completions.append(
-                CompletionOutput(index=seq.index, text=text, token_ids=list(token_ids),
-                                 cumulative_logprob=seq.cumulative_logprob,
-                                 logprobs=list(logprobs) if logprobs is not None else None,
+                CompletionOutput(index=seq.index, text=text, token_ids=token_ids,
+                                 cumulative_logprob=seq.cumulative_logprob, logprobs=logprobs,
                                  finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
             )
         return RequestOutput(
@@ -182,7 +239,11 @@ class OutputProcessor:
     def _decode_token(self, token_id: int) -> str | None:
         if self.tokenizer is None:
             return None
-        return self.tokenizer.decode([token_id])
+        text = self._logprob_token_texts.get(token_id)
+        if text is None:
+            # (the same text every time: each token is decoded once, not once per logprob)
+            text = self._logprob_token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _logprob_dict(self, ids: list[int], values: list[float], rank: int) -> dict[int, Logprob]:
         entry: dict[int, Logprob] = {}

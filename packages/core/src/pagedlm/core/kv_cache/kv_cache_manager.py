@@ -65,6 +65,10 @@ class KVCacheManager:
         # NOTE: shared empty hit lists: nothing appends to a hit list, it is only read.
         self._no_blocks: GroupBlocks = tuple([] for _ in groups)
         self.prefix_cache_stats = PrefixCacheStats()
+        #: request id -> ``num_computed_tokens + num_new_tokens`` up to which ``allocate_slots``
+        #: has nothing to do (kept for one full-attention group, where it is one comparison per
+        #: decode step; absent means "look")
+        self._no_op_limit: dict[str, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -128,19 +132,12 @@ class KVCacheManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens={num_new_tokens} is invalid: must be >= 0")
         request_id = request.request_id
-        single = self._single_full
-        if single is not None and not new_computed_blocks:
-            # The common case (a decode step of a one-table model): the held blocks may have room.
-            req_blocks = single.req_to_blocks.get(request_id)
-            num_total_tokens = request.num_computed_tokens + num_new_tokens
-            if req_blocks and num_total_tokens <= len(req_blocks) * self.block_size \
-                    and num_total_tokens <= self.max_model_len:
-                # (the check cache_blocks starts with, inlined: this runs for every decode row)
-                if self.enable_caching and min(num_total_tokens, request.num_tokens) // self.block_size \
-                        > single.num_cached_blocks[request_id]:
-                    single.cache_blocks(request, min(num_total_tokens, request.num_tokens))
-                return self._no_blocks
-        managers = self.managers
+        if not new_computed_blocks and \
+                request.num_computed_tokens + num_new_tokens <= self._no_op_limit.get(request_id, -1):
+            # The common case (a decode step of a one-table model): the held blocks have room and
+            # no block becomes full, so there is nothing to do.
+            return self._no_blocks
+        managers, single = self.managers, self._single_full
         is_new = request_id not in managers[0].req_to_blocks
         hits = new_computed_blocks or self._no_blocks
         if new_computed_blocks and any(new_computed_blocks) and any(m.req_to_blocks.get(request_id) for m in managers):
@@ -179,11 +176,23 @@ class KVCacheManager:
             num_known_tokens = min(num_total_tokens, request.num_tokens)
             for manager in managers:
                 manager.cache_blocks(request, num_known_tokens)
+        if single is not None:
+            self._no_op_limit[request_id] = self._next_no_op_limit(single, request_id)
         return new_blocks
+
+    def _next_no_op_limit(self, manager: SingleTypeKVCacheManager, request_id: str) -> int:
+        """Tokens up to which the request's next allocations change nothing (one full-attention
+        group): its blocks hold them, and its next block to cache is not full yet."""
+        limit = min(len(manager.req_to_blocks[request_id]) * self.block_size, self.max_model_len)
+        if self.enable_caching:
+            # (cache_blocks records a block once the request's known tokens fill it)
+            limit = min(limit, (manager.num_cached_blocks[request_id] + 1) * self.block_size - 1)
+        return limit
 
     def free(self, request: Request) -> None:
         """Release the request's blocks in every group and forget it; a no-op for a request
         holding none."""
+        self._no_op_limit.pop(request.request_id, None)
         for manager in self.managers:
             manager.free(request.request_id)
 

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 
 from pagedlm.core.kv_cache import KVCacheManager
 from pagedlm.core.logger import init_logger
-from pagedlm.core.request import Request, RequestStatus
+from pagedlm.core.request import _FIRST_FINISHED, Request, RequestStatus
 from pagedlm.core.sched.output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -104,6 +104,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id={request.request_id!r} is already in the engine")
+        # NOTE: the length limit in one number (max_tokens and max_model_len), read every step
+        request.max_num_tokens = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -137,57 +139,83 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        # NOTE: this runs every step over every running request, so each of them costs what
+        # changed for it (its new token, rarely a block) and nothing else: the per-request numbers
+        # are read once into locals, the workers' columns are appended to in one pass, and the
+        # request's bookkeeping (tokens computed, placeholder) is updated in that same pass.
         token_budget = self.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted: list[Request] = []
         num_decode_tokens = 0
+        async_scheduling = self.async_scheduling
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        no_block_ids = self._no_block_ids
+        req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
+        num_computed_col, new_token_ids_col = cached.num_computed_tokens, cached.new_token_ids
 
         # 1. running requests, oldest first.
+        running = self.running
         index = 0
         num_running_scheduled = 0
-        cap = -(-len(self.running) // self.pipeline_depth)
-        while index < len(self.running) and token_budget > 0 and num_running_scheduled < cap:
-            request = self.running[index]
+        cap = -(-len(running) // self.pipeline_depth)
+        while index < len(running) and token_budget > 0 and num_running_scheduled < cap:
+            request = running[index]
+            index += 1
+            all_token_ids = request.all_token_ids
+            num_tokens = len(all_token_ids)
             num_placeholders = request.num_output_placeholders
-            num_new_tokens = min(request.num_tokens + num_placeholders - request.num_computed_tokens, token_budget)
+            num_computed = request.num_computed_tokens
+            num_new_tokens = num_tokens + num_placeholders - num_computed
+            if num_new_tokens > token_budget:
+                num_new_tokens = token_budget
             # NOTE: a running request has at least one token to compute (the rest of its prompt,
             # or the token sampled in the previous step) unless its last batch is still in flight
             # (pipeline parallelism keeps several batches in flight); then it waits for the token.
-            if num_new_tokens == 0 or (num_placeholders and self._must_wait_for_token(request)):
-                index += 1
+            # With a token in flight it must wait for it when it reads its output history on the
+            # host, or when its next token could end it by length.
+            if num_new_tokens <= 0 or (num_placeholders and (
+                    request.needs_output_history or num_tokens + num_placeholders >= request.max_num_tokens)):
                 continue
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            new_blocks = allocate_slots(request, num_new_tokens)
             while new_blocks is None:
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                new_blocks = allocate_slots(request, num_new_tokens)
             if new_blocks is None:
                 break
-            num_scheduled_tokens[request.request_id] = num_new_tokens
+            request_id = request.request_id
+            num_scheduled_tokens[request_id] = num_new_tokens
             token_budget -= num_new_tokens
-            if num_new_tokens == 1 and request.num_output_tokens:
+            if num_new_tokens == 1 and num_tokens > request.num_prompt_tokens:
                 num_decode_tokens += 1
-            cached.req_ids.append(request.request_id)
-            cached.resumed_from_preemption.append(False)
+            req_ids.append(request_id)
             # NOTE: most decode rows get no block: one shared empty entry (workers only read it)
-            cached.new_block_ids.append(tuple([b.block_id for b in blocks] for blocks in new_blocks)
-                                        if any(new_blocks) else self._no_block_ids)
-            cached.num_computed_tokens.append(request.num_computed_tokens)
-            cached.token_ids.append(None)
+            new_block_ids.append(tuple([b.block_id for b in blocks] for blocks in new_blocks)
+                                 if any(new_blocks) else no_block_ids)
+            num_computed_col.append(num_computed)
             # NOTE: only tokens back from the workers are sent: with async scheduling the one
             # still in flight is a placeholder here, and the device feeds it to this step.
-            cached.new_token_ids.append(request.all_token_ids[request.num_tokens_sent:])
-            request.num_tokens_sent = request.num_tokens
+            new_token_ids_col.append(all_token_ids[request.num_tokens_sent:])
+            request.num_tokens_sent = num_tokens
             num_running_scheduled += 1
-            index += 1
+            # NOTE: tokens count as computed from the moment they are scheduled; a sampled token
+            # is appended in update_from_output and scheduled in the next step (or,
+            # asynchronously, its placeholder is scheduled in the next step already).
+            num_computed += num_new_tokens
+            request.num_computed_tokens = num_computed
+            if async_scheduling and num_computed >= num_tokens + num_placeholders:
+                request.num_output_placeholders = num_placeholders + 1
+        num_cached_running = len(req_ids)
+        cached.resumed_from_preemption = [False] * num_cached_running
+        cached.token_ids = [None] * num_cached_running
 
         # 2. waiting requests, FCFS.
-        while not preempted and self.waiting and token_budget > 0 and len(self.running) < self.max_num_seqs:
+        while not preempted and self.waiting and token_budget > 0 and len(running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: it resumes once the token is back
@@ -197,24 +225,23 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 num_new_tokens = token_budget
-            new_blocks = self.kv_cache_manager.allocate_slots(
+            new_blocks = allocate_slots(
                 request, num_new_tokens, new_computed_blocks=computed_blocks, num_new_computed_tokens=num_computed
             )
             if new_blocks is None:
                 break
             self.waiting.popleft()
-            self.running.append(request)
-            request.num_computed_tokens = num_computed
+            running.append(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
             block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
             if request.status == RequestStatus.PREEMPTED:
-                cached.req_ids.append(request.request_id)
+                req_ids.append(request.request_id)
                 cached.resumed_from_preemption.append(True)
-                cached.new_block_ids.append(block_ids)
-                cached.num_computed_tokens.append(num_computed)
+                new_block_ids.append(block_ids)
+                num_computed_col.append(num_computed)
                 cached.token_ids.append(list(request.all_token_ids))
-                cached.new_token_ids.append([])
+                new_token_ids_col.append([])
             else:
                 new_reqs.append(
                     NewRequestData(
@@ -230,10 +257,13 @@ class Scheduler:
             request.num_tokens_sent = request.num_tokens
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+            request.num_computed_tokens = num_computed + num_new_tokens
+            # (a waiting request has no placeholder: see the check above)
+            if async_scheduling and request.num_computed_tokens >= request.num_tokens:
+                request.num_output_placeholders = 1
 
-        total = sum(num_scheduled_tokens.values())
-        assert total <= self.max_num_batched_tokens
-        assert len(self.running) <= self.max_num_seqs
+        total = self.max_num_batched_tokens - token_budget
+        assert len(running) <= self.max_num_seqs
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -244,26 +274,7 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         self._update_stats(output, len(preempted), num_decode_tokens)
-        # NOTE: tokens count as computed from the moment they are scheduled; a sampled token is
-        # appended in update_from_output and scheduled in the next step (or, asynchronously, its
-        # placeholder is scheduled in the next step already).
-        for req_id, num in num_scheduled_tokens.items():
-            request = self.requests[req_id]
-            request.num_computed_tokens += num
-            if self.async_scheduling and (
-                request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders
-            ):
-                request.num_output_placeholders += 1
         return output
-
-    def _must_wait_for_token(self, request: Request) -> bool:
-        """Whether a request with a token in flight must not be scheduled past it."""
-        pending = request.num_output_placeholders
-        return (
-            request.needs_output_history
-            or request.num_output_tokens + pending >= request.max_tokens
-            or request.num_tokens + pending >= self.max_model_len
-        )
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -278,27 +289,38 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
+        # NOTE: one pass over the step's requests; a request that got one token (the common
+        # case) appends it and checks its stop conditions inline, without building lists.
         outputs: list[EngineCoreOutput] = []
         all_logprobs, all_prompt_logprobs = runner_output.logprobs, runner_output.prompt_logprobs
+        get_request = self.requests.get
+        running_status = RequestStatus.RUNNING
         for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
-            request = self.requests.get(req_id)
+            request = get_request(req_id)
             if request is None:
                 continue  # finished or aborted while the step ran: its tokens are dropped
-            if request.num_output_placeholders:
-                request.num_output_placeholders -= len(token_ids)
-            elif request.status != RequestStatus.RUNNING:
+            num_placeholders = request.num_output_placeholders
+            if num_placeholders:
+                request.num_output_placeholders = num_placeholders - len(token_ids)
+            elif request.status != running_status:
                 # Preempted while the step ran (only possible with batches in flight for pipeline
                 # stages): it is recomputed and samples this position again.
                 continue
             # NOTE: with async scheduling a request preempted while its token was in flight keeps
             # that token (drawn from the right context, and its generator has moved on).
             prompt_logprobs = all_prompt_logprobs.get(req_id) if all_prompt_logprobs else None
-            if not token_ids and prompt_logprobs is None:
-                continue
             if len(token_ids) == 1:  # the common case: one token, no list to build
                 new_token_ids = token_ids
-                request.append_output_token_ids(token_ids)
-                self._check_stop(request, token_ids[0])
+                token_id = token_ids[0]
+                request.output_token_ids.append(token_id)
+                request.all_token_ids.append(token_id)
+                params = request.sampling_params
+                if token_id in params.all_stop_token_ids or len(request.all_token_ids) >= request.max_num_tokens:
+                    self._check_stop(request, token_id)
+            elif not token_ids:
+                if prompt_logprobs is None:
+                    continue
+                new_token_ids = token_ids
             else:
                 new_token_ids = []
                 for token_id in token_ids:
@@ -309,18 +331,15 @@ class Scheduler:
             logprobs = all_logprobs.get(req_id) if all_logprobs else None
             if logprobs is not None and len(new_token_ids) < len(token_ids):
                 logprobs = tuple(x[: len(new_token_ids)] for x in logprobs)
+            status = request.status
+            finished = status >= _FIRST_FINISHED
             outputs.append(
                 EngineCoreOutput(
-                    request_id=req_id,
-                    new_token_ids=new_token_ids,
-                    finish_reason=request.status.finish_reason,
-                    stop_reason=request.stop_reason,
-                    new_logprobs=logprobs,
-                    new_prompt_logprobs=prompt_logprobs,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    req_id, new_token_ids, status.finish_reason if finished else None, request.stop_reason,
+                    logprobs, prompt_logprobs, request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
                 )
             )
-            if request.is_finished:
+            if finished:
                 if request in self.waiting:  # preempted with its last token in flight
                     self.waiting.remove(request)
                 else:
@@ -329,6 +348,7 @@ class Scheduler:
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
+        """Finish the request if ``token_id`` (its newest token) stops it; returns whether it did."""
         # NOTE: all_stop_token_ids = stop_token_ids plus the model's eos ids unless ignore_eos
         # (filled by the Processor); only the user's own stop ids are reported as stop_reason.
         params = request.sampling_params
@@ -337,7 +357,7 @@ class Scheduler:
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
             return True
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if request.num_tokens >= request.max_num_tokens:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
