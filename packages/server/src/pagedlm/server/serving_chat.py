@@ -205,18 +205,19 @@ class _ChatBuilder:
         yield SSE_DONE
 
     async def _events(self, gen: AsyncGenerator[RequestOutput, None], n: int, include_usage: bool):
-        # The role comes first, in a delta of its own, for every choice; with the prompt's ids.
-        first = self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for i in range(n)], include_usage)
-        first["prompt_token_ids"] = self.prompt_token_ids
-        yield sse(first)
+        # The role comes first, in a chunk of its own for every choice (one choice per chunk, as
+        # OpenAI and vLLM send them), with the prompt's ids.
+        for i in range(n):
+            first = self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}], include_usage)
+            first["prompt_token_ids"] = self.prompt_token_ids
+            yield sse(first)
         finished: set[int] = set()
         num_prompt = num_generated = 0
         async for out in gen:
             if out.error:
                 raise APIError(f"generation failed: {out.error}", status=500)
             num_prompt = len(out.prompt_token_ids)
-            choices = []
             for c in out.outputs:
                 if c.index in finished:
                     continue
@@ -227,11 +228,9 @@ class _ChatBuilder:
                 elif not c.text and not c.token_ids:
                     continue  # nothing new (tokens that decode to no text, e.g. half a character, still go out)
                 delta = {"content": c.text} if c.text or reason is None else {}
-                choices.append({"index": c.index, "delta": delta, "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                                "finish_reason": reason,
-                                "token_ids": list(c.token_ids) if self.return_ids else None})
-            if choices:
-                yield sse(self._chunk(choices, include_usage))
+                yield sse(self._chunk([{"index": c.index, "delta": delta,
+                                        "logprobs": self._logprobs(c.token_ids, c.logprobs), "finish_reason": reason,
+                                        "token_ids": list(c.token_ids) if self.return_ids else None}], include_usage))
         if include_usage:
             body = self._chunk([], False)
             body["usage"] = usage(num_prompt, num_generated)

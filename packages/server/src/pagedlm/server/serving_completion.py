@@ -254,7 +254,6 @@ class _Builder:
             prompt = self.prompts[i]
             if out.error:
                 raise APIError(f"generation failed: {out.error}", status=500)
-            choices = []
             for c in out.outputs:
                 index = i * self.n + c.index
                 if index in finished:
@@ -280,11 +279,10 @@ class _Builder:
                 if self.return_ids and index not in ids_sent:
                     ids_sent.add(index)
                     prompt_ids = list(out.prompt_token_ids)
-                choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
-                                "prompt_token_ids": prompt_ids,
-                                "token_ids": list(c.token_ids) if self.return_ids else None})
-            if choices:
-                yield sse(self._envelope(choices))
+                # One choice per chunk, as OpenAI and vLLM send them: clients read choices[0].
+                yield sse(self._envelope([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
+                                           "prompt_token_ids": prompt_ids,
+                                           "token_ids": list(c.token_ids) if self.return_ids else None}]))
         if include_usage:
             body = self._envelope([])
             body["usage"] = usage(num_prompt, num_generated)
