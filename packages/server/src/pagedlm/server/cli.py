@@ -37,6 +37,12 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--max-request-sequences", type=int, default=None, metavar="N",
                         help="most sequences (prompts x n) one request may ask for; more is a 400 "
                              "(default: --max-num-seqs, what the engine runs at once)")
+    server.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="put usage.prompt_tokens_details (cached_tokens: prompt tokens found in the prefix "
+                             "cache) in every usage object, 0 included (vLLM's option; off: never)")
+    server.add_argument("--enable-force-include-usage", action="store_true",
+                        help="every stream carries usage on each chunk and in a last usage chunk, whatever its "
+                             "stream_options (vLLM's option)")
     server.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM, how long in-flight requests may run before they are aborted")
     server.add_argument("--log-stats-interval", type=float, default=5.0, metavar="SECONDS",

@@ -100,7 +100,9 @@ async def _serve(args: argparse.Namespace, engine_args: EngineArgs, sock: socket
         metrics.cache_blocks.labels(model_name=name).set(engine.num_gpu_blocks)
         max_sequences = args.max_request_sequences or vllm_config.scheduler_config.max_num_seqs
         state = ServerState(engine=engine, served_model_names=[name], api_key=api_key, chat_template=chat_template,
-                            metrics=metrics, max_request_sequences=max_sequences)
+                            metrics=metrics, max_request_sequences=max_sequences,
+                            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                            enable_force_include_usage=args.enable_force_include_usage)
         app = build_app(state)
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=args.access_log,
                                 timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off")

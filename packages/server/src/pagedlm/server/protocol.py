@@ -68,6 +68,8 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = Field(
+        None, description="vLLM's extension: with include_usage, every chunk also carries the usage so far")
 
 
 class SamplingFields(OpenAIModel):

@@ -118,11 +118,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         raise error from None
     request_id = random_id("chatcmpl")
     gen = state.engine.generate({"prompt": text, "prompt_token_ids": token_ids}, params, request_id)
-    builder = _ChatBuilder(state, request_id, int(time.time()), num_logprobs,
-                           prompt_token_ids=token_ids if req.return_token_ids else None)
+    builder = _ChatBuilder(state, request_id, int(time.time()), num_logprobs, token_ids,
+                           return_ids=bool(req.return_token_ids))
     if stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return SSEResponse(builder.stream(gen, params.n, include_usage))
+        return SSEResponse(builder.stream(gen, params.n, *state.stream_usage(req)))
 
     async def collect() -> RequestOutput | None:
         final = None
@@ -140,17 +139,19 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 
 class _ChatBuilder:
-    def __init__(self, state: ServerState, request_id: str, created: int, num_logprobs: int | None, *,
-                 prompt_token_ids: list[int] | None = None) -> None:
+    def __init__(self, state: ServerState, request_id: str, created: int, num_logprobs: int | None,
+                 prompt_token_ids: list[int], *, return_ids: bool = False) -> None:
+        self.state = state
         self.engine = state.engine
         self.tokenizer = state.engine.tokenizer
         self.model = state.model_name
         self.id = request_id
         self.created = created
         self.num_logprobs = num_logprobs
+        self.num_prompt_tokens = len(prompt_token_ids)
         #: the prompt's ids when the request asked for token ids (``return_token_ids``), else None
-        self.prompt_token_ids = prompt_token_ids
-        self.return_ids = prompt_token_ids is not None
+        self.prompt_token_ids = list(prompt_token_ids) if return_ids else None
+        self.return_ids = return_ids
 
     def _logprobs(self, token_ids: list[int], logprobs: SampleLogprobs | None) -> dict[str, Any] | None:
         if self.num_logprobs is None:
@@ -179,7 +180,7 @@ class _ChatBuilder:
         # vLLM's extensions are always there, null unless asked for (prompt_logprobs always: its
         # request field is not supported)
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage(len(out.prompt_token_ids), num_generated, out.num_cached_tokens),
+                "choices": choices, "usage": self.state.usage(len(out.prompt_token_ids), num_generated, out.num_cached_tokens),
                 "prompt_logprobs": None,
                 "prompt_token_ids": list(out.prompt_token_ids) if self.return_ids else None}
 
@@ -190,10 +191,11 @@ class _ChatBuilder:
             body["usage"] = None  # as OpenAI: null on every chunk but the last
         return body
 
-    async def stream(self, gen: AsyncGenerator[RequestOutput, None], n: int, include_usage: bool):
+    async def stream(self, gen: AsyncGenerator[RequestOutput, None], n: int, include_usage: bool,
+                     continuous_usage: bool = False):
         """SSE events; an error after the 200 status line is sent in-band, then ``[DONE]``."""
         try:
-            async for event in self._events(gen, n, include_usage):
+            async for event in self._events(gen, n, include_usage, continuous_usage):
                 yield event
         except (APIError, EngineDeadError) as e:
             yield sse_error(e)
@@ -204,34 +206,44 @@ class _ChatBuilder:
             self.engine.abort(self.id)  # however the stream ends (client gone included)
         yield SSE_DONE
 
-    async def _events(self, gen: AsyncGenerator[RequestOutput, None], n: int, include_usage: bool):
+    async def _events(self, gen: AsyncGenerator[RequestOutput, None], n: int, include_usage: bool,
+                      continuous_usage: bool):
+        num_prompt = self.num_prompt_tokens
+        generated = [0] * n  # tokens so far per choice (continuous usage)
         # The role comes first, in a chunk of its own for every choice (one choice per chunk, as
         # OpenAI and vLLM send them), with the prompt's ids.
         for i in range(n):
             first = self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                   "finish_reason": None}], include_usage)
             first["prompt_token_ids"] = self.prompt_token_ids
+            if continuous_usage:
+                first["usage"] = usage(num_prompt, 0)
             yield sse(first)
         finished: set[int] = set()
-        num_prompt = num_generated = 0
+        num_generated = num_cached = 0
         async for out in gen:
             if out.error:
                 raise APIError(f"generation failed: {out.error}", status=500)
             num_prompt = len(out.prompt_token_ids)
+            num_cached = out.num_cached_tokens
             for c in out.outputs:
                 if c.index in finished:
                     continue
                 num_generated += len(c.token_ids)
+                generated[c.index] += len(c.token_ids)
                 reason = finish_reason(c.finish_reason)
                 if reason is not None:
                     finished.add(c.index)
                 elif not c.text and not c.token_ids:
                     continue  # nothing new (tokens that decode to no text, e.g. half a character, still go out)
                 delta = {"content": c.text} if c.text or reason is None else {}
-                yield sse(self._chunk([{"index": c.index, "delta": delta,
-                                        "logprobs": self._logprobs(c.token_ids, c.logprobs), "finish_reason": reason,
-                                        "token_ids": list(c.token_ids) if self.return_ids else None}], include_usage))
+                chunk = self._chunk([{"index": c.index, "delta": delta,
+                                      "logprobs": self._logprobs(c.token_ids, c.logprobs), "finish_reason": reason,
+                                      "token_ids": list(c.token_ids) if self.return_ids else None}], include_usage)
+                if continuous_usage:  # vLLM's: this choice's tokens so far
+                    chunk["usage"] = usage(num_prompt, generated[c.index])
+                yield sse(chunk)
         if include_usage:
             body = self._chunk([], False)
-            body["usage"] = usage(num_prompt, num_generated)
+            body["usage"] = self.state.usage(num_prompt, num_generated, num_cached)
             yield sse(body)

@@ -43,6 +43,23 @@ class ServerState:
     metrics: Any = None  # pagedlm.server.metrics.PrometheusStatLogger
     #: most sequences (prompts x n) one request may create; None: no limit (--max-request-sequences)
     max_request_sequences: int | None = None
+    #: usage.prompt_tokens_details (cached tokens) in every usage (--enable-prompt-tokens-details)
+    enable_prompt_tokens_details: bool = False
+    #: every stream carries usage, on each chunk and in a last chunk (--enable-force-include-usage)
+    enable_force_include_usage: bool = False
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+        """A usage object; ``prompt_tokens_details`` only with --enable-prompt-tokens-details, and
+        then always (``cached_tokens: 0`` too), as vLLM does."""
+        return usage(prompt_tokens, completion_tokens, cached_tokens if self.enable_prompt_tokens_details else None)
+
+    def stream_usage(self, req: SamplingFields) -> tuple[bool, bool]:
+        """(a usage chunk at the end, usage on every chunk) for a streamed request."""
+        if self.enable_force_include_usage:
+            return True, True
+        options = req.stream_options
+        include = bool(options and options.include_usage)
+        return include, include and bool(options and options.continuous_usage_stats)
 
     @property
     def model_name(self) -> str:
@@ -187,9 +204,10 @@ def finish_reason(reason: str | None) -> str | None:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """A usage object; with ``cached_tokens`` (not None) also ``prompt_tokens_details``."""
     body: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                             "total_tokens": prompt_tokens + completion_tokens}
-    if cached_tokens:
+    if cached_tokens is not None:
         body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return body
 

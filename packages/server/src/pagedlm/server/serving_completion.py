@@ -125,8 +125,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     ]
     builder = _Builder(state, req, prompts, n, echo, request_id, created)
     if stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return SSEResponse(builder.stream(gens, include_usage))
+        return SSEResponse(builder.stream(gens, *state.stream_usage(req)))
 
     async def collect() -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(gens)
@@ -146,6 +145,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
 class _Builder:
     def __init__(self, state: ServerState, req: CompletionRequest, prompts: list[_Prompt], n: int, echo: bool,
                  request_id: str, created: int) -> None:
+        self.state = state
         self.engine = state.engine
         self.tokenizer = state.engine.tokenizer
         self.model = state.model_name
@@ -224,14 +224,15 @@ class _Builder:
                                 "prompt_token_ids": list(out.prompt_token_ids) if self.return_ids else None,
                                 "token_ids": list(c.token_ids) if self.return_ids else None})
         body = self._envelope(sorted(choices, key=lambda c: c["index"]))
-        body["usage"] = usage(num_prompt, num_generated, num_cached)
+        body["usage"] = self.state.usage(num_prompt, num_generated, num_cached)
         return body
 
     # -- streaming ----------------------------------------------------------------------------
-    async def stream(self, gens: list[AsyncGenerator[RequestOutput, None]], include_usage: bool):
+    async def stream(self, gens: list[AsyncGenerator[RequestOutput, None]], include_usage: bool,
+                     continuous_usage: bool = False):
         """SSE events; an error after the 200 status line is sent in-band, then ``[DONE]``."""
         try:
-            async for event in self._events(gens, include_usage):
+            async for event in self._events(gens, include_usage, continuous_usage):
                 yield event
         except (APIError, EngineDeadError) as e:
             yield sse_error(e)
@@ -244,8 +245,11 @@ class _Builder:
                 self.engine.abort(f"{self.id}-{i}")
         yield SSE_DONE
 
-    async def _events(self, gens: list[AsyncGenerator[RequestOutput, None]], include_usage: bool):
+    async def _events(self, gens: list[AsyncGenerator[RequestOutput, None]], include_usage: bool,
+                      continuous_usage: bool):
         started: set[int] = set()
+        generated: dict[int, int] = {}  # choice index -> tokens so far (continuous usage)
+        cached: dict[int, int] = {}  # prompt -> its prefix-cache hit
         finished: set[int] = set()
         offsets: dict[int, int] = {}  # choice index -> text offset of its next token (logprobs)
         ids_sent: set[int] = set()  # choices whose prompt_token_ids went out (in their first chunk)
@@ -264,12 +268,15 @@ class _Builder:
                     started.add(index)
                     if c.index == 0:
                         num_prompt += len(out.prompt_token_ids)
+                    generated[index] = 0
                     offsets[index] = 0 if self.echo else len(prompt.text)
                     if self.echo:
                         text = prompt.text + text
                 if self.num_logprobs is not None:
                     logprobs, offsets[index] = self._choice_logprobs(out, c, prompt, first, offsets[index])
                 num_generated += len(c.token_ids)
+                generated[index] += len(c.token_ids)
+                cached[i] = max(cached.get(i, 0), out.num_cached_tokens)
                 reason = finish_reason(c.finish_reason)
                 if reason is not None:
                     finished.add(index)
@@ -280,10 +287,13 @@ class _Builder:
                     ids_sent.add(index)
                     prompt_ids = list(out.prompt_token_ids)
                 # One choice per chunk, as OpenAI and vLLM send them: clients read choices[0].
-                yield sse(self._envelope([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
-                                           "prompt_token_ids": prompt_ids,
-                                           "token_ids": list(c.token_ids) if self.return_ids else None}]))
+                body = self._envelope([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
+                                        "prompt_token_ids": prompt_ids,
+                                        "token_ids": list(c.token_ids) if self.return_ids else None}])
+                if continuous_usage:  # vLLM's: this choice's tokens so far, with its prompt's
+                    body["usage"] = usage(len(out.prompt_token_ids), generated[index])
+                yield sse(body)
         if include_usage:
             body = self._envelope([])
-            body["usage"] = usage(num_prompt, num_generated)
+            body["usage"] = self.state.usage(num_prompt, num_generated, sum(cached.values()))
             yield sse(body)
