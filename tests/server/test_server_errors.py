@@ -50,7 +50,7 @@ CASES = [
     ("/v1/completions", cmpl(stream_options={"include_usage": True}), 400, "stream_options", ["stream=true"]),
     ("/v1/completions", cmpl(stop=5), 400, "stop", ["stop=5", "a string or a list of strings"]),
     ("/v1/completions", cmpl(stop=[""]), 400, "stop", ["stop", "non-empty"]),
-    ("/v1/completions", cmpl(logprobs=21), 400, "logprobs", ["logprobs=21", "less than or equal to 20"]),
+    ("/v1/completions", cmpl(logprobs=21), 400, "logprobs", ["logprobs=21", "at most 20", "--max-logprobs"]),
     ("/v1/completions", cmpl(logit_bias={"x": 1}), 400, "logit_bias", ['"x"', "token ids"]),
     ("/v1/completions", cmpl(logit_bias={"1": 101}), 400, "logit_bias", ["101", "[-100, 100]"]),
     ("/v1/completions", cmpl(logit_bias={"99999": 1}), 400, "logit_bias", ["99999", "vocabulary"]),

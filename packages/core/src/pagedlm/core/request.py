@@ -78,6 +78,9 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.max_tokens = max_tokens if max_tokens is not None else (sampling_params.max_tokens or 1)
         self.num_preemptions = 0
+        #: wall-clock times in the core (metrics): entered the scheduler; first scheduled (None until)
+        self.queued_time = time.time()
+        self.scheduled_time: float | None = None
         self.block_hashes: list[bytes] = []
         #: tokens sampled on the device but not yet back on the host (async scheduling); the
         #: scheduler already counts them: the next step computes their K/V

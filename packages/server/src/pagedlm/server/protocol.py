@@ -24,13 +24,15 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Largest seed accepted: choice i of a request with n > 1 samples with seed + i (n <= 128).
 MAX_SEED = INT64_MAX - 128
 MAX_N = 128
+#: default of --max-logprobs (vLLM's default max_logprobs)
 MAX_LOGPROBS = 20
 
 
 # Integer fields (or lists of integers): JSON Schema, and so the schema we publish, counts 2.0
 # as an integer, so 2.0 is accepted there as 2 (2.5 and "2" are still refused).
 _INT_FIELDS = frozenset({"n", "seed", "top_k", "min_tokens", "max_tokens", "logprobs", "best_of",
-                         "max_completion_tokens", "top_logprobs", "stop_token_ids", "prompt", "tokens"})
+                         "max_completion_tokens", "top_logprobs", "stop_token_ids", "prompt", "tokens",
+                         "prompt_logprobs", "truncate_prompt_tokens"})
 
 
 #: the pydantic error type of text that cannot be encoded as UTF-8 (errors.py reports it first)
@@ -101,14 +103,26 @@ class SamplingFields(OpenAIModel):
     return_token_ids: bool | None = Field(
         None, description="also return token ids: the prompt's and the generated ones (in a stream: the prompt's "
                           "in each choice's first chunk, each chunk's own generated ids)")
+    prompt_logprobs: int | None = Field(
+        None, ge=-1, description="logprobs of the prompt's tokens with this many alternatives each (-1: the whole "
+                                 "vocabulary, within --max-logprobs); not with stream=true")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="keep at most this many prompt tokens (-1: max_model_len - 1)")
+    truncation_side: Literal["left", "right"] | None = Field(
+        None, description="with truncate_prompt_tokens: 'right' keeps the first tokens, 'left' the last (default: "
+                          "the tokenizer's side, else 'right')")
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Text | list[Text] | list[int] | list[list[int]] = Field(
-        description="a string, a list of strings, a list of token ids or a list of lists of token ids"
+    # NOTE: optional in the schema only so that a request with vLLM's prompt_embeds instead gets
+    # its own message; a request without either is a 400 naming prompt.
+    prompt: Text | list[Text] | list[int] | list[list[int]] | None = Field(
+        None, description="a string, a list of strings, a list of token ids or a list of lists of token ids"
     )
+    prompt_embeds: Text | list[Text] | None = Field(
+        None, description="vLLM's base64-encoded prompt embeddings: refused (not supported by this server)")
     max_tokens: int | None = Field(None, ge=1, description="default 16")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=-1, description="-1: the whole vocabulary (within --max-logprobs)")
     echo: bool | None = None
     suffix: Text | None = Field(None, description="not supported: must be null")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="must equal n when given")
@@ -131,11 +145,19 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI: use max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=-1, description="-1: the whole vocabulary (within --max-logprobs)")
     add_generation_prompt: bool | None = None
     # Accepted so that they can be refused with a clear message (see serving_chat).
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """vLLM's /v1/chat/completions/batch: the fields of a chat request, ``messages`` a list of
+    conversations (each answered by the choice of its index)."""
+
+    messages: list[Annotated[list[ChatMessage], Field(min_length=1)]] = Field(  # type: ignore[assignment]
+        min_length=1, description="the conversations, each a list of messages")
 
 
 class TokenizeRequest(OpenAIModel):

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 
 from pagedlm.core import EngineDeadError
 from pagedlm.core.outputs import RequestOutput, SampleLogprobs
+from pagedlm.core.sampling_params import SamplingParams
 from pagedlm.core.text import utf8_problem
 from pagedlm.server.errors import APIError, error_response, logger
 from pagedlm.server.protocol import ChatCompletionRequest, ChatMessage
@@ -28,6 +29,7 @@ from pagedlm.server.serving_common import (
     finite,
     make_sampling_params,
     off_loop,
+    prompt_logprobs_body,
     random_id,
     sse,
     sse_error,
@@ -88,7 +90,17 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
     return text, list(token_ids)
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Any:
+def _render_and_truncate(state: ServerState, req: ChatCompletionRequest, messages: list[ChatMessage],
+                         add_generation_prompt: bool, param: str) -> tuple[str, list[int]]:
+    text, token_ids = render_chat(state, messages, add_generation_prompt=add_generation_prompt, param=param)
+    truncated = state.truncate(req, token_ids)
+    if len(truncated) < len(token_ids):
+        text = state.engine.tokenizer.decode(truncated)
+    return text, truncated
+
+
+def chat_params(state: ServerState, req: ChatCompletionRequest) -> tuple[SamplingParams, int | None]:
+    """The checks of a chat request that do not need its messages; (params, number of logprobs)."""
     check_model(state, req.model)
     check_engine(state)
     if req.tools:
@@ -102,24 +114,40 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if req.stream_options is not None and not stream:
         raise APIError("stream_options is only allowed with stream=true", param="stream_options")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = make_sampling_params(req, max_tokens=max_tokens, logprobs=num_logprobs, prompt_logprobs=None,
-                                  stream=stream)
+    num_logprobs = state.resolve_logprobs(req.top_logprobs or 0, "top_logprobs") if req.logprobs else None
+    num_prompt_logprobs = state.resolve_logprobs(req.prompt_logprobs, "prompt_logprobs")
+    if num_prompt_logprobs is not None and stream:
+        raise APIError("prompt_logprobs are not available with stream=true", param="prompt_logprobs")
+    params = make_sampling_params(req, max_tokens=max_tokens, logprobs=num_logprobs,
+                                  prompt_logprobs=num_prompt_logprobs, stream=stream)
+    return params, num_logprobs
+
+
+async def chat_prompt(state: ServerState, req: ChatCompletionRequest, messages: list[ChatMessage],
+                      params: SamplingParams, param: str = "messages") -> tuple[str, list[int]]:
+    """One conversation templated, tokenized (off the event loop), truncated and validated."""
     add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
-    check_sequences(state, 1, params.n)
-    check_messages_length(state, req.messages)
-    text, token_ids = await off_loop(render_chat, state, req.messages, add_generation_prompt=add_generation_prompt)
+    check_messages_length(state, messages, param)
+    text, token_ids = await off_loop(_render_and_truncate, state, req, messages, add_generation_prompt, param)
     try:
         state.engine.validate_prompt(token_ids, params)
     except ValueError as e:
-        error = bad_request(e, prompt_param="messages")
-        if max_tokens is not None and "max_tokens" in error.message:
+        error = bad_request(e, prompt_param=param)
+        if params.max_tokens is not None and "max_tokens" in error.message:
             error.param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         raise error from None
+    return text, token_ids
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Any:
+    params, num_logprobs = chat_params(state, req)
+    stream = bool(req.stream)
+    check_sequences(state, 1, params.n)
+    text, token_ids = await chat_prompt(state, req, req.messages, params)
     request_id = random_id("chatcmpl")
     gen = state.engine.generate({"prompt": text, "prompt_token_ids": token_ids}, params, request_id)
     builder = _ChatBuilder(state, request_id, int(time.time()), num_logprobs, token_ids,
-                           return_ids=bool(req.return_token_ids))
+                           return_ids=bool(req.return_token_ids), prompt_logprobs=req.prompt_logprobs is not None)
     if stream:
         return SSEResponse(builder.stream(gen, params.n, *state.stream_usage(req)))
 
@@ -140,7 +168,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 class _ChatBuilder:
     def __init__(self, state: ServerState, request_id: str, created: int, num_logprobs: int | None,
-                 prompt_token_ids: list[int], *, return_ids: bool = False) -> None:
+                 prompt_token_ids: list[int], *, return_ids: bool = False, prompt_logprobs: bool = False) -> None:
+        self.prompt_logprobs = prompt_logprobs
         self.state = state
         self.engine = state.engine
         self.tokenizer = state.engine.tokenizer
@@ -171,17 +200,21 @@ class _ChatBuilder:
             raise APIError(f"generation failed: {out.error}", status=500)
         choices = [{
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text, "refusal": None},
+            # reasoning (and its older name reasoning_content): null, as vLLM sends it from a
+            # model without a reasoning parser
+            "message": {"role": "assistant", "content": c.text, "refusal": None, "reasoning": None,
+                        "reasoning_content": None},
             "logprobs": self._logprobs(c.token_ids, c.logprobs),
             "finish_reason": finish_reason(c.finish_reason),
+            "stop_reason": c.stop_reason,
             "token_ids": list(c.token_ids) if self.return_ids else None,
         } for c in out.outputs]
         num_generated = sum(len(c.token_ids) for c in out.outputs)
-        # vLLM's extensions are always there, null unless asked for (prompt_logprobs always: its
-        # request field is not supported)
+        # vLLM's extensions are always there, null unless asked for
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.state.usage(len(out.prompt_token_ids), num_generated, out.num_cached_tokens),
-                "prompt_logprobs": None,
+                "prompt_logprobs": (prompt_logprobs_body(self.tokenizer, out.prompt_logprobs)
+                                    if self.prompt_logprobs else None),
                 "prompt_token_ids": list(out.prompt_token_ids) if self.return_ids else None}
 
     def _chunk(self, choices: list[dict[str, Any]], include_usage: bool) -> dict[str, Any]:
@@ -239,6 +272,7 @@ class _ChatBuilder:
                 delta = {"content": c.text} if c.text or reason is None else {}
                 chunk = self._chunk([{"index": c.index, "delta": delta,
                                       "logprobs": self._logprobs(c.token_ids, c.logprobs), "finish_reason": reason,
+                                      "stop_reason": c.stop_reason,
                                       "token_ids": list(c.token_ids) if self.return_ids else None}], include_usage)
                 if continuous_usage:  # vLLM's: this choice's tokens so far
                     chunk["usage"] = usage(num_prompt, generated[c.index])

@@ -23,7 +23,7 @@ from pagedlm.core import EngineClient, EngineDeadError
 from pagedlm.core.outputs import Logprob
 from pagedlm.core.sampling_params import RequestOutputKind, SamplingParams
 from pagedlm.server.errors import APIError, error_body, param_of_message, short_repr
-from pagedlm.server.protocol import SamplingFields
+from pagedlm.server.protocol import MAX_LOGPROBS, SamplingFields
 
 T = TypeVar("T")
 
@@ -47,6 +47,39 @@ class ServerState:
     enable_prompt_tokens_details: bool = False
     #: every stream carries usage, on each chunk and in a last chunk (--enable-force-include-usage)
     enable_force_include_usage: bool = False
+    #: most logprobs per position a request may ask for; -1: the vocabulary size (--max-logprobs)
+    max_logprobs: int = MAX_LOGPROBS
+
+    def resolve_logprobs(self, value: int | None, param: str) -> int | None:
+        """A logprobs count of a request: -1 means the whole vocabulary, as in vLLM; more than
+        --max-logprobs is a 400."""
+        if value is None:
+            return None
+        vocab = self.engine.vocab_size
+        count = vocab if value == -1 else value
+        limit = vocab if self.max_logprobs == -1 else self.max_logprobs
+        if count > limit:
+            asked = f"{param}=-1 asks for all {vocab} tokens" if value == -1 else f"{param}={value} is too many"
+            raise APIError(f"{asked}: at most {limit} logprobs per position are allowed (the server's "
+                           "--max-logprobs; -1 there allows the whole vocabulary)", param=param)
+        return count
+
+    def truncate(self, req: SamplingFields, token_ids: list[int]) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: keep that many tokens (-1: max_model_len - 1), from
+        ``truncation_side`` (default the tokenizer's, else the start: 'right' truncation)."""
+        keep = req.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        max_len = self.engine.max_model_len
+        if keep == -1:
+            keep = max_len - 1
+        if keep > max_len:
+            raise APIError(f"truncate_prompt_tokens={keep} is invalid: must be at most max_model_len={max_len} "
+                           "(or -1: max_model_len - 1)", param="truncate_prompt_tokens")
+        if len(token_ids) <= keep:
+            return token_ids
+        side = req.truncation_side or getattr(self.engine.tokenizer, "truncation_side", None) or "right"
+        return token_ids[len(token_ids) - keep:] if side == "left" else token_ids[:keep]
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         """A usage object; ``prompt_tokens_details`` only with --enable-prompt-tokens-details, and
@@ -221,6 +254,16 @@ def token_text(tokenizer: Any, token_id: int, entry: Logprob | None) -> str:
     if entry is not None and entry.decoded_token is not None:
         return entry.decoded_token
     return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+
+def prompt_logprobs_body(tokenizer: Any, prompt_logprobs: list[dict[int, Logprob] | None] | None) -> list | None:
+    """vLLM's ``prompt_logprobs``: per prompt position (null first: nothing precedes it),
+    ``{token_id: {"logprob", "rank", "decoded_token"}}`` for the prompt's token and the top-k."""
+    if prompt_logprobs is None:
+        return None
+    return [None if position is None else {
+        str(tid): {"logprob": finite(lp.logprob), "rank": lp.rank, "decoded_token": token_text(tokenizer, tid, lp)}
+        for tid, lp in position.items()} for position in prompt_logprobs]
 
 
 def top_entries(position: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:

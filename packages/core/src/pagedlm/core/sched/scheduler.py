@@ -26,6 +26,7 @@ tokens that way; preempted requests are named so that workers drop them from the
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -48,12 +49,13 @@ class EngineCoreOutput:
 
     __slots__ = (
         "request_id", "new_token_ids", "finish_reason", "stop_reason", "new_logprobs",
-        "new_prompt_logprobs", "num_cached_tokens", "error",
+        "new_prompt_logprobs", "num_cached_tokens", "error", "timing", "num_preemptions",
     )
 
     def __init__(self, request_id: str, new_token_ids: list[int], finish_reason: str | None = None,
                  stop_reason: int | str | None = None, new_logprobs=None, new_prompt_logprobs=None,
-                 num_cached_tokens: int = 0, error: str | None = None) -> None:
+                 num_cached_tokens: int = 0, error: str | None = None,
+                 timing: tuple[float, float] | None = None, num_preemptions: int = 0) -> None:
         self.request_id = request_id
         self.new_token_ids = new_token_ids
         self.finish_reason = finish_reason
@@ -62,6 +64,10 @@ class EngineCoreOutput:
         self.new_prompt_logprobs = new_prompt_logprobs
         self.num_cached_tokens = num_cached_tokens
         self.error = error
+        #: (queued, first scheduled) wall-clock times in the core, on a request's first output only
+        self.timing = timing
+        #: times the request has been preempted so far
+        self.num_preemptions = num_preemptions
 
     @property
     def finished(self) -> bool:
@@ -204,6 +210,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(request)
+            if request.scheduled_time is None:
+                request.scheduled_time = time.time()
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
@@ -317,6 +325,10 @@ class Scheduler:
                     new_logprobs=logprobs,
                     new_prompt_logprobs=prompt_logprobs,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    # the metrics' queue and prefill times, once per request
+                    timing=((request.queued_time, request.scheduled_time or request.queued_time)
+                            if request.num_output_tokens == len(new_token_ids) else None),
+                    num_preemptions=request.num_preemptions,
                 )
             )
             if request.is_finished:
