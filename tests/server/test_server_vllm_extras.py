@@ -150,3 +150,49 @@ def test_prompt_embeds_is_refused_by_name(server):
     assert error["param"] == "prompt_embeds" and "not supported" in error["message"]
     r = post(server, "/v1/completions", {"max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+def test_chat_echo_continue_final_message_and_tokens_as_ids(server):
+    saying = "An apple a day keeps"
+    messages = [{"role": "user", "content": "a saying?"}, {"role": "assistant", "content": saying}]
+    body = {"messages": messages, "max_tokens": 4, "add_generation_prompt": False,
+            "continue_final_message": True, "return_token_ids": True}
+    echoed = post(server, "/v1/chat/completions", {**body, "echo": True}).json()
+    assert echoed["choices"][0]["message"]["content"].startswith(saying), echoed
+    plain = post(server, "/v1/chat/completions", body).json()
+    assert not plain["choices"][0]["message"]["content"].startswith(saying)
+    # the prompt ends inside the last message: no end-of-turn after the saying
+    rendered = httpx.post(server.url + "/tokenize", json={"messages": messages, "add_generation_prompt": False,
+                                                          "continue_final_message": True},
+                          headers=server.headers).json()["tokens"]
+    assert plain["prompt_token_ids"] == rendered
+    assert post(server, "/detokenize", {"tokens": rendered}).json()["prompt"].endswith(saying)
+    both = post(server, "/v1/chat/completions", {**body, "add_generation_prompt": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message", both.text
+    # streamed echo: after the role chunk, a chunk with the saying
+    import json as _json
+
+    with httpx.stream("POST", server.url + "/v1/chat/completions", headers=server.headers, timeout=60,
+                      json={"model": MODEL, **body, "echo": True, "stream": True}) as r:
+        events = [_json.loads(e[6:]) for e in r.read().decode().split("\n\n") if e.startswith("data: {")]
+    assert events[1]["choices"][0]["delta"] == {"content": saying}
+    # return_tokens_as_token_ids: logprob tokens as token_id:<id>
+    lp = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "logprobs": True, "top_logprobs": 2,
+                                               "return_tokens_as_token_ids": True, "return_token_ids": True}).json()
+    content = lp["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in lp["choices"][0]["token_ids"]]
+    cmpl = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "logprobs": 1,
+                                            "return_tokens_as_token_ids": True}).json()["choices"][0]["logprobs"]
+    assert all(t.startswith("token_id:") for t in cmpl["tokens"])
+    # tokenize a chat with the tokenizer's own specials (BOS) added
+    special = httpx.post(server.url + "/tokenize", json={"messages": CHAT, "add_special_tokens": True},
+                         headers=server.headers).json()["tokens"]
+    without = httpx.post(server.url + "/tokenize", json={"messages": CHAT}, headers=server.headers).json()["tokens"]
+    assert len(special) >= len(without)
+
+
+def test_beam_search_is_refused_by_name(server):
+    r = post(server, "/v1/completions", {"prompt": "hi", "n": 2, "max_tokens": 2, "use_beam_search": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search", r.text
+    ok = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "use_beam_search": False})
+    assert ok.status_code == 200, ok.text

@@ -160,7 +160,9 @@ def build_app(state: ServerState) -> FastAPI:
         if body.messages is not None:
             gen_prompt = True if body.add_generation_prompt is None else body.add_generation_prompt
             check_messages_length(s, body.messages)
-            _, tokens = await off_loop(render_chat, s, body.messages, add_generation_prompt=gen_prompt)
+            _, tokens = await off_loop(render_chat, s, body.messages, add_generation_prompt=gen_prompt,
+                                       continue_final_message=bool(body.continue_final_message),
+                                       add_special_tokens=bool(body.add_special_tokens))
         else:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             check_text_length(s, len(body.prompt or ""), "prompt")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import contextlib
+import dataclasses
 import os
 import signal
 import socket

@@ -84,8 +84,11 @@ class PrometheusStatLogger(StatLoggerBase):
         self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.cache_blocks = gauge("num_gpu_blocks", "KV-cache blocks allocated at start-up (pagedlm's).")
         self._cache_config = {str(k): str(v) for k, v in (cache_config or {}).items()}
+        self._block_size = int(self._cache_config.get("block_size", "16"))
+        self._max_model_len = max_model_len
         self._cache_info = Gauge(prefix + "cache_config_info", "Information of the LLMEngine CacheConfig",
-                                 [*self._cache_config, "num_gpu_blocks", "engine"], registry=r)
+                                 [*self._cache_config, "num_gpu_blocks", "kv_cache_size_tokens",
+                                  "kv_cache_max_concurrency", "engine"], registry=r)
         self.prefix_queries = counter("prefix_cache_queries", "Prefix cache queries, in terms of number of "
                                       "queried tokens.")
         self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
@@ -159,7 +162,11 @@ class PrometheusStatLogger(StatLoggerBase):
         info series: a gauge fixed at 1 whose labels are the cache configuration, as vLLM's)."""
         self._c[self.cache_blocks].set(num_gpu_blocks)
         self._cache_info.clear()
-        self._cache_info.labels(**self._cache_config, num_gpu_blocks=str(num_gpu_blocks), engine="0").set(1)
+        # tokens the cache holds, and how many requests of max_model_len fit in it at once
+        per_request = -(-self._max_model_len // self._block_size)
+        self._cache_info.labels(**self._cache_config, num_gpu_blocks=str(num_gpu_blocks),
+                                kv_cache_size_tokens=str(num_gpu_blocks * self._block_size),
+                                kv_cache_max_concurrency=f"{num_gpu_blocks / per_request:.2f}", engine="0").set(1)
 
     def record(self, engine_stats: EngineStatsSnapshot | None, iteration_stats: IterationStats | None) -> None:
         c = self._c

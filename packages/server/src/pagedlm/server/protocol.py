@@ -108,6 +108,9 @@ class SamplingFields(OpenAIModel):
                                  "vocabulary, within --max-logprobs); not with stream=true")
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, description="keep at most this many prompt tokens (-1: max_model_len - 1)")
+    use_beam_search: bool | None = Field(None, description="vLLM's beam search: not supported (must be false)")
+    return_tokens_as_token_ids: bool | None = Field(
+        None, description="write the tokens of logprobs as 'token_id:<id>' (for tokens that are not valid text alone)")
     truncation_side: Literal["left", "right"] | None = Field(
         None, description="with truncate_prompt_tokens: 'right' keeps the first tokens, 'left' the last (default: "
                           "the tokenizer's side, else 'right')")
@@ -147,6 +150,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=-1, description="-1: the whole vocabulary (within --max-logprobs)")
     add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = Field(
+        None, description="template the last (assistant) message open, for the model to continue it; not with "
+                          "add_generation_prompt")
+    echo: bool | None = Field(None, description="start each choice's content with the last message's content when "
+                                                "that message is the assistant's")
     # Accepted so that they can be refused with a clear message (see serving_chat).
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -166,6 +174,7 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
     return_token_strs: bool | None = Field(None, description="also return the tokenizer's piece of every id")
 
 

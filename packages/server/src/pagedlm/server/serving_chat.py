@@ -52,8 +52,15 @@ def check_messages_length(state: ServerState, messages: list[ChatMessage], param
 
 
 def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
-                param: str = "messages") -> tuple[str, list[int]]:
-    """Apply the chat template (``--chat-template`` or the tokenizer's); returns (text, token ids)."""
+                param: str = "messages", continue_final_message: bool = False,
+                add_special_tokens: bool = False) -> tuple[str, list[int]]:
+    """Apply the chat template (``--chat-template`` or the tokenizer's); returns (text, token ids).
+
+    ``continue_final_message`` leaves the last message open (vLLM's and transformers' option);
+    ``add_special_tokens`` adds the tokenizer's own specials (BOS) to what the template wrote."""
+    if continue_final_message and add_generation_prompt:
+        raise APIError("continue_final_message and add_generation_prompt cannot both be true: the first continues "
+                       "the last message, the second starts a new one", param="continue_final_message")
     tokenizer = state.engine.tokenizer
     if tokenizer is None:
         raise APIError("chat needs a tokenizer, and this server runs without one (skip_tokenizer_init)")
@@ -78,25 +85,38 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
             entry["name"] = message.name
         conversation.append(entry)
     try:
+        extra = {"continue_final_message": True} if continue_final_message else {}
         text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt, **extra)
     except Exception as e:  # noqa: BLE001 - jinja's errors (TemplateError, UndefinedError, ...) are bad input
         raise APIError(f"cannot apply the chat template to these messages: {type(e).__name__}: {e}",
                        param=param) from None
     if (problem := utf8_problem(text)) is not None:  # a template can write escapes of its own
         raise APIError(f"the chat template's output {problem}", param=param)
     # The template writes the special tokens (BOS, role markers) itself.
-    token_ids = tokenizer(text, add_special_tokens=False).input_ids
+    token_ids = tokenizer(text, add_special_tokens=add_special_tokens).input_ids
     return text, list(token_ids)
 
 
 def _render_and_truncate(state: ServerState, req: ChatCompletionRequest, messages: list[ChatMessage],
                          add_generation_prompt: bool, param: str) -> tuple[str, list[int]]:
-    text, token_ids = render_chat(state, messages, add_generation_prompt=add_generation_prompt, param=param)
+    text, token_ids = render_chat(state, messages, add_generation_prompt=add_generation_prompt, param=param,
+                                  continue_final_message=bool(req.continue_final_message))
     truncated = state.truncate(req, token_ids)
     if len(truncated) < len(token_ids):
         text = state.engine.tokenizer.decode(truncated)
     return text, truncated
+
+
+def echo_text(req: ChatCompletionRequest, messages: list[ChatMessage]) -> str:
+    """vLLM's chat ``echo``: the last message's text when it is the assistant's (what the answer
+    continues, with ``continue_final_message``), else nothing."""
+    last = messages[-1]
+    if not req.echo or last.role != "assistant" or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part.text or "" for part in last.content)
 
 
 def chat_params(state: ServerState, req: ChatCompletionRequest) -> tuple[SamplingParams, int | None]:
@@ -147,7 +167,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     request_id = random_id("chatcmpl")
     gen = state.engine.generate({"prompt": text, "prompt_token_ids": token_ids}, params, request_id)
     builder = _ChatBuilder(state, request_id, int(time.time()), num_logprobs, token_ids,
-                           return_ids=bool(req.return_token_ids), prompt_logprobs=req.prompt_logprobs is not None)
+                           return_ids=bool(req.return_token_ids), prompt_logprobs=req.prompt_logprobs is not None,
+                           echo=echo_text(req, req.messages), as_ids=bool(req.return_tokens_as_token_ids))
     if stream:
         return SSEResponse(builder.stream(gen, params.n, *state.stream_usage(req)))
 
@@ -168,8 +189,11 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 class _ChatBuilder:
     def __init__(self, state: ServerState, request_id: str, created: int, num_logprobs: int | None,
-                 prompt_token_ids: list[int], *, return_ids: bool = False, prompt_logprobs: bool = False) -> None:
+                 prompt_token_ids: list[int], *, return_ids: bool = False, prompt_logprobs: bool = False,
+                 echo: str = "", as_ids: bool = False) -> None:
         self.prompt_logprobs = prompt_logprobs
+        self.echo = echo
+        self.as_ids = as_ids
         self.state = state
         self.engine = state.engine
         self.tokenizer = state.engine.tokenizer
@@ -188,8 +212,8 @@ class _ChatBuilder:
         content = []
         for tid, position in zip(token_ids, logprobs or []):
             entry = position.get(tid)
-            text = token_text(self.tokenizer, tid, entry)
-            top = [{"token": (t := token_text(self.tokenizer, alt, lp)), "logprob": finite(lp.logprob),
+            text = token_text(self.tokenizer, tid, entry, self.as_ids)
+            top = [{"token": (t := token_text(self.tokenizer, alt, lp, self.as_ids)), "logprob": finite(lp.logprob),
                     "bytes": list(t.encode("utf-8"))} for alt, lp in top_entries(position, self.num_logprobs)]
             content.append({"token": text, "logprob": finite(entry.logprob) if entry is not None else -9999.0,
                             "bytes": list(text.encode("utf-8")), "top_logprobs": top})
@@ -202,7 +226,7 @@ class _ChatBuilder:
             "index": c.index,
             # reasoning (and its older name reasoning_content): null, as vLLM sends it from a
             # model without a reasoning parser
-            "message": {"role": "assistant", "content": c.text, "refusal": None, "reasoning": None,
+            "message": {"role": "assistant", "content": self.echo + c.text, "refusal": None, "reasoning": None,
                         "reasoning_content": None},
             "logprobs": self._logprobs(c.token_ids, c.logprobs),
             "finish_reason": finish_reason(c.finish_reason),
@@ -212,7 +236,8 @@ class _ChatBuilder:
         num_generated = sum(len(c.token_ids) for c in out.outputs)
         # vLLM's extensions are always there, null unless asked for
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": self.state.usage(len(out.prompt_token_ids), num_generated, out.num_cached_tokens),
+                "choices": choices,
+                "usage": self.state.usage(len(out.prompt_token_ids), num_generated, out.num_cached_tokens),
                 "prompt_logprobs": (prompt_logprobs_body(self.tokenizer, out.prompt_logprobs)
                                     if self.prompt_logprobs else None),
                 "prompt_token_ids": list(out.prompt_token_ids) if self.return_ids else None}
@@ -252,6 +277,13 @@ class _ChatBuilder:
             if continuous_usage:
                 first["usage"] = usage(num_prompt, 0)
             yield sse(first)
+        if self.echo:  # vLLM's echo: the last message's content, a chunk per choice
+            for i in range(n):
+                chunk = self._chunk([{"index": i, "delta": {"content": self.echo}, "logprobs": None,
+                                      "finish_reason": None}], include_usage)
+                if continuous_usage:
+                    chunk["usage"] = usage(num_prompt, 0)
+                yield sse(chunk)
         finished: set[int] = set()
         num_generated = num_cached = 0
         async for out in gen:

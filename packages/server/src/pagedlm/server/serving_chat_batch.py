@@ -18,7 +18,7 @@ from pagedlm.core import EngineDeadError
 from pagedlm.core.outputs import RequestOutput
 from pagedlm.server.errors import APIError, error_response
 from pagedlm.server.protocol import BatchChatCompletionRequest
-from pagedlm.server.serving_chat import _ChatBuilder, chat_params, chat_prompt
+from pagedlm.server.serving_chat import _ChatBuilder, chat_params, chat_prompt, echo_text
 from pagedlm.server.serving_common import ServerState, check_sequences, engine_dead, merge, random_id, until_disconnect
 
 
@@ -55,7 +55,8 @@ async def create_batch_chat_completion(state: ServerState, req: BatchChatComplet
         if out is None:
             raise APIError(f"no output came back for conversation {i}", status=500)
         builder = _ChatBuilder(state, request_id, created, num_logprobs, ids, return_ids=bool(req.return_token_ids),
-                               prompt_logprobs=req.prompt_logprobs is not None)
+                               prompt_logprobs=req.prompt_logprobs is not None, echo=echo_text(req, req.messages[i]),
+                               as_ids=bool(req.return_tokens_as_token_ids))
         one = builder.response(out)
         for choice in one["choices"]:
             choices.append({**choice, "index": i})

@@ -190,6 +190,9 @@ def parse_logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
 def make_sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None, stream: bool) -> SamplingParams:
     """SamplingParams from the request; ``SamplingParams``' own checks become 400s."""
+    if req.use_beam_search:
+        raise APIError("use_beam_search=true is not supported by this server: it samples (or decodes greedily) "
+                       "only; leave it false", param="use_beam_search")
     top_k = req.top_k if req.top_k not in (None, 0) else -1  # vLLM: 0 and -1 both disable
     kwargs: dict[str, Any] = dict(
         n=req.n or 1,
@@ -250,7 +253,10 @@ def finite(x: float) -> float:
     return x if math.isfinite(x) else MIN_LOGPROB
 
 
-def token_text(tokenizer: Any, token_id: int, entry: Logprob | None) -> str:
+def token_text(tokenizer: Any, token_id: int, entry: Logprob | None, as_id: bool = False) -> str:
+    """A token's text in logprobs (vLLM's ``return_tokens_as_token_ids``: ``token_id:<id>``)."""
+    if as_id:
+        return f"token_id:{token_id}"
     if entry is not None and entry.decoded_token is not None:
         return entry.decoded_token
     return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"

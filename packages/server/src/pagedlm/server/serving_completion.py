@@ -33,8 +33,8 @@ from pagedlm.server.serving_common import (
     finite,
     make_sampling_params,
     merge,
-    prompt_logprobs_body,
     off_loop,
+    prompt_logprobs_body,
     random_id,
     sse,
     sse_error,
@@ -172,6 +172,7 @@ class _Builder:
         self.created = created
         self.num_logprobs = num_logprobs
         self.return_ids = bool(req.return_token_ids)
+        self.as_ids = bool(req.return_tokens_as_token_ids)
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
@@ -185,14 +186,15 @@ class _Builder:
         body: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tid, position in zip(token_ids, logprobs):
             entry = position.get(tid) if position is not None else None
-            text = token_text(self.tokenizer, tid, entry)
+            text = token_text(self.tokenizer, tid, entry, self.as_ids)
             body["tokens"].append(text)
             # The first prompt token has no logprob (nothing precedes it): null, as OpenAI sends.
             body["token_logprobs"].append(finite(entry.logprob) if entry is not None else None)
             if position is None:
                 body["top_logprobs"].append(None)
             else:
-                top = {token_text(self.tokenizer, t, lp): finite(lp.logprob) for t, lp in top_entries(position, k)}
+                top = {token_text(self.tokenizer, t, lp, self.as_ids): finite(lp.logprob)
+                       for t, lp in top_entries(position, k)}
                 if entry is not None:
                     top.setdefault(text, finite(entry.logprob))
                 body["top_logprobs"].append(top)
