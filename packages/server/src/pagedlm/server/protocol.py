@@ -92,10 +92,11 @@ class SamplingFields(OpenAIModel):
     )
     user: Text | None = None
     # vLLM extensions
-    top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables top-k")
+    # (the upper bounds keep every integer within what the engine's wire format carries)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX, description="-1 or 0 disables top-k")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    min_tokens: int | None = Field(None, ge=0)
+    min_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
@@ -124,7 +125,7 @@ class CompletionRequest(SamplingFields):
     )
     prompt_embeds: Text | list[Text] | None = Field(
         None, description="vLLM's base64-encoded prompt embeddings: refused (not supported by this server)")
-    max_tokens: int | None = Field(None, ge=1, description="default 16")
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX, description="default 16")
     logprobs: int | None = Field(None, ge=-1, description="-1: the whole vocabulary (within --max-logprobs)")
     echo: bool | None = None
     suffix: Text | None = Field(None, description="not supported: must be null")
@@ -145,8 +146,9 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI: use max_completion_tokens")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX,
+                                   description="deprecated by OpenAI: use max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=-1, description="-1: the whole vocabulary (within --max-logprobs)")
     add_generation_prompt: bool | None = None

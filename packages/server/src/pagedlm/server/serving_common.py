@@ -105,7 +105,9 @@ def get_state(request: Request) -> ServerState:
 
 def check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model not in state.served_model_names:
-        raise APIError(f"The model `{model}` does not exist. This server serves: {', '.join(state.served_model_names)}",
+        # (quoted cut short: a client's megabyte of "model" must not come back in the error)
+        shown = model if len(model) <= 200 else model[:197] + "..."
+        raise APIError(f"The model `{shown}` does not exist. This server serves: {', '.join(state.served_model_names)}",
                        status=404, param="model", code="model_not_found")
 
 
