@@ -2,6 +2,7 @@
 
     nox -s tests-cpu      install every package (CPU torch) and run the tests that need no GPU
     nox -s tests-cuda     the same with a CUDA torch, GPU tests included; skips without a GPU
+    nox -s tests-peer     vLLM's own OpenAI-server tests, adapted to `pagedlm serve` (tests/peer)
     nox -s lint           ruff
     nox -s typecheck      mypy
     nox -s build          build every wheel and check its layout (namespace portions, py.typed)
@@ -52,6 +53,8 @@ TEST_DEPS = [
     # is also how HF transformers reads them (the reference)
     "compressed-tensors>=0.12",
 ]
+# tests/peer: vLLM's tests are async (pytest-asyncio) and use these as vLLM's test suite does
+PEER_DEPS = ["pytest-asyncio", "requests", "regex", "prometheus_client"]
 RUFF = "ruff==0.17.6"  # pinned: a new ruff release must not turn CI red by itself
 # Namespace portions: each package owns only its leaf, so none may ship these files.
 FORBIDDEN_IN_WHEELS = ("pagedlm/__init__.py", "pagedlm/backends/__init__.py", "pagedlm/models/__init__.py")
@@ -93,9 +96,19 @@ def _pytest(session: nox.Session, *marker: str) -> None:
 
 @nox.session(name="tests-cpu")
 def tests_cpu(session: nox.Session) -> None:
-    """All packages with the CPU build of torch; runs every test not marked ``cuda``."""
+    """All packages with the CPU build of torch; runs every test not marked ``cuda`` (nor ``peer``:
+    ``tests-peer`` runs those)."""
     _install_cpu_stack(session, package_dirs(), *TEST_DEPS)
-    _pytest(session, "-m", "not cuda")
+    _pytest(session, "-m", "not cuda and not peer")
+
+
+@nox.session(name="tests-peer")
+def tests_peer(session: nox.Session) -> None:
+    """vLLM's own OpenAI-server tests adapted to `pagedlm serve` on a tiny checkpoint (tests/peer,
+    see its README): a server per module, a few minutes on a CPU."""
+    _install_cpu_stack(session, package_dirs(), *TEST_DEPS, *PEER_DEPS)
+    args = session.posargs or ["tests/peer"]
+    session.run("pytest", "-m", "peer", "--timeout=900", *args)
 
 
 @nox.session(name="tests-cuda")

@@ -73,3 +73,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     source = config.stash.get(VALIDATED_AGAINST, None)
     if source is not None:
         terminalreporter.write_line(f"tests/server: responses validated against {source}")
+
+
+@pytest.fixture(scope="session")
+def flagged_server(start_server: Callable[..., ServerProcess], tiny_llama: str) -> ServerProcess:
+    """A second server with vLLM's optional behaviours switched on (each test says which it reads)."""
+    return start_server(tiny_llama, "--max-model-len", "512", "--served-model-name", "tiny-llama",
+                        "--enable-prompt-tokens-details", "--enable-force-include-usage", "--max-logprobs", "-1",
+                        "--metrics-prefix", "vllm")

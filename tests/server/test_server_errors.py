@@ -7,6 +7,7 @@ classes, the API-key gate, and a bounded schemathesis fuzz of the schema the app
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 import openai
@@ -50,7 +51,7 @@ CASES = [
     ("/v1/completions", cmpl(stream_options={"include_usage": True}), 400, "stream_options", ["stream=true"]),
     ("/v1/completions", cmpl(stop=5), 400, "stop", ["stop=5", "a string or a list of strings"]),
     ("/v1/completions", cmpl(stop=[""]), 400, "stop", ["stop", "non-empty"]),
-    ("/v1/completions", cmpl(logprobs=21), 400, "logprobs", ["logprobs=21", "less than or equal to 20"]),
+    ("/v1/completions", cmpl(logprobs=21), 400, "logprobs", ["logprobs=21", "at most 20", "--max-logprobs"]),
     ("/v1/completions", cmpl(logit_bias={"x": 1}), 400, "logit_bias", ['"x"', "token ids"]),
     ("/v1/completions", cmpl(logit_bias={"1": 101}), 400, "logit_bias", ["101", "[-100, 100]"]),
     ("/v1/completions", cmpl(logit_bias={"99999": 1}), 400, "logit_bias", ["99999", "vocabulary"]),
@@ -156,7 +157,10 @@ def test_openai_client_with_a_bad_key(server):
 # -- fuzzing ---------------------------------------------------------------------------------------
 # Bounds that keep each fuzzed request cheap: big n or max_tokens are valid but only cost time;
 # their edges are covered by the explicit cases above.
-_CLAMP = {"n": 2, "best_of": 2, "max_tokens": 8, "max_completion_tokens": 8, "min_tokens": 8}
+#: examples per generation mode: bounded here; PAGEDLM_FUZZ_EXAMPLES=2000 for a longer run by hand
+FUZZ_EXAMPLES = int(os.environ.get("PAGEDLM_FUZZ_EXAMPLES", "60"))
+_CLAMP = {"prompt_logprobs": 2, "logprobs": 2, "top_logprobs": 2, "truncate_prompt_tokens": 64, "n": 2,
+          "best_of": 2, "max_tokens": 8, "max_completion_tokens": 8, "min_tokens": 8}
 
 
 def _cheap(case):
@@ -170,7 +174,9 @@ def _cheap(case):
                 body[key] = limit
         if isinstance(body.get("prompt"), list) and len(body["prompt"]) > 4:
             body["prompt"] = body["prompt"][:4]
-        if case.path == "/v1/chat/completions" and body.get("max_tokens") is None:
+        if case.path == "/v1/chat/completions/batch" and isinstance(body.get("messages"), list):
+            body["messages"] = body["messages"][:4]
+        if case.path.startswith("/v1/chat/completions") and body.get("max_tokens") is None:
             body.setdefault("max_completion_tokens", 8)  # chat's default is "the rest of the context"
     return case
 
@@ -187,7 +193,7 @@ def test_fuzz_published_schema_no_server_errors(server):
         strategy = schema.as_strategy(generation_mode=mode).map(_cheap)
 
         @hypothesis.given(case=strategy)
-        @hypothesis.settings(max_examples=60, deadline=None, derandomize=True, database=None,
+        @hypothesis.settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
                              suppress_health_check=list(hypothesis.HealthCheck), phases=[hypothesis.Phase.generate])
         def run(case):
             response = case.call(base_url=server.url, headers=server.headers, timeout=60)

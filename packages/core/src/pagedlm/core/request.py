@@ -91,6 +91,9 @@ class Request:
         #: max_model_len when the request arrives
         self.max_num_tokens = self.num_prompt_tokens + self.max_tokens
         self.num_preemptions = 0
+        #: wall-clock times in the core (metrics): entered the scheduler; first scheduled (None until)
+        self.queued_time = time.time()
+        self.scheduled_time: float | None = None
         self.block_hashes: list[bytes] = []
         #: tokens sampled on the device but not yet back on the host (async scheduling); the
         #: scheduler already counts them: the next step computes their K/V

@@ -2,6 +2,7 @@
 
 Routes (OpenAI's, then vLLM's):
   POST /v1/completions  POST /v1/chat/completions  GET /v1/models  GET /v1/models/{model}
+  POST /v1/chat/completions/batch (vLLM's)
   POST /tokenize  POST /detokenize  GET /health  GET /version  GET /metrics
 With an API key set, every /v1 route and /tokenize, /detokenize and /metrics need
 ``Authorization: Bearer KEY``; /health and /version stay open for load balancers.
@@ -19,8 +20,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedlm.core import EngineDeadError
 from pagedlm.server.errors import APIError, error_body, error_response, install_error_handlers
-from pagedlm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagedlm.server.protocol import (
+    BatchChatCompletionRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from pagedlm.server.serving_chat import check_messages_length, create_chat_completion, render_chat
+from pagedlm.server.serving_chat_batch import create_batch_chat_completion
 from pagedlm.server.serving_common import ServerState, check_model, check_text_length, get_state, off_loop
 from pagedlm.server.serving_completion import create_completion
 
@@ -123,6 +131,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await create_chat_completion(get_state(request), body, request)
 
+    @app.post("/v1/chat/completions/batch")
+    async def batch_chat_completions(body: BatchChatCompletionRequest, request: Request) -> Any:
+        return await create_batch_chat_completion(get_state(request), body, request)
+
     def model_card(s: ServerState, name: str) -> dict[str, Any]:
         engine = s.engine
         return {"id": name, "object": "model", "created": s.created, "owned_by": "pagedlm",
@@ -148,7 +160,9 @@ def build_app(state: ServerState) -> FastAPI:
         if body.messages is not None:
             gen_prompt = True if body.add_generation_prompt is None else body.add_generation_prompt
             check_messages_length(s, body.messages)
-            _, tokens = await off_loop(render_chat, s, body.messages, add_generation_prompt=gen_prompt)
+            _, tokens = await off_loop(render_chat, s, body.messages, add_generation_prompt=gen_prompt,
+                                       continue_final_message=bool(body.continue_final_message),
+                                       add_special_tokens=bool(body.add_special_tokens))
         else:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             check_text_length(s, len(body.prompt or ""), "prompt")

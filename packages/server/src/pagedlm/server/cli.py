@@ -37,6 +37,19 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--max-request-sequences", type=int, default=None, metavar="N",
                         help="most sequences (prompts x n) one request may ask for; more is a 400 "
                              "(default: --max-num-seqs, what the engine runs at once)")
+    server.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="put usage.prompt_tokens_details (cached_tokens: prompt tokens found in the prefix "
+                             "cache) in every usage object, 0 included (vLLM's option; off: never)")
+    server.add_argument("--enable-force-include-usage", action="store_true",
+                        help="every stream carries usage on each chunk and in a last usage chunk, whatever its "
+                             "stream_options (vLLM's option)")
+    server.add_argument("--max-logprobs", type=int, default=20, metavar="N",
+                        help="most logprobs per position a request may ask for (logprobs, top_logprobs, "
+                             "prompt_logprobs; -1 in a request means the whole vocabulary); -1: no limit below the "
+                             "vocabulary size (vLLM's option and default, 20)")
+    server.add_argument("--metrics-prefix", choices=["pagedlm", "vllm"], default="pagedlm",
+                        help="prefix of the /metrics series, vLLM's names after it: 'pagedlm' (pagedlm:...) or 'vllm' "
+                             "(vllm:..., so that vLLM's Grafana dashboards and alerts work unchanged)")
     server.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM, how long in-flight requests may run before they are aborted")
     server.add_argument("--log-stats-interval", type=float, default=5.0, metavar="SECONDS",
@@ -69,6 +82,8 @@ def run_serve(args: argparse.Namespace) -> int:
               f"{args.served_model_name or args.model!r}", file=sys.stderr)
     if args.max_request_sequences is not None and args.max_request_sequences < 1:
         raise ValueError(f"--max-request-sequences={args.max_request_sequences} is invalid: must be >= 1")
+    if args.max_logprobs < -1:
+        raise ValueError(f"--max-logprobs={args.max_logprobs} is invalid: must be >= 0, or -1 (the vocabulary size)")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port={args.port} is invalid: must be in 0..65535 (0: any free port)")
     from pagedlm.server.launcher import serve

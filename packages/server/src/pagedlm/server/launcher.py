@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -23,7 +24,7 @@ from pagedlm.core import AsyncLLM, EngineClient
 from pagedlm.core.engine.arg_utils import EngineArgs
 from pagedlm.core.logger import init_logger
 from pagedlm.server.app import build_app
-from pagedlm.server.metrics import PrometheusStatLogger
+from pagedlm.server.metrics import PREFIXES, PrometheusStatLogger
 from pagedlm.server.serving_common import ServerState
 
 logger = init_logger(__name__)
@@ -92,15 +93,21 @@ async def _serve(args: argparse.Namespace, engine_args: EngineArgs, sock: socket
                  chat_template: str | None) -> int:
     vllm_config = engine_args.create_vllm_config()
     name = vllm_config.model_config.name
-    metrics = PrometheusStatLogger(name)
+    cache_config = {f.name: getattr(vllm_config.cache_config, f.name)
+                    for f in dataclasses.fields(vllm_config.cache_config)}
+    metrics = PrometheusStatLogger(name, prefix=PREFIXES[args.metrics_prefix], max_model_len=vllm_config.max_model_len,
+                                   cache_config=cache_config)
     # Blocking start-up is fine here: nothing else runs on this loop yet.
     engine: EngineClient = AsyncLLM(vllm_config, stat_loggers=[metrics], log_interval_s=args.log_stats_interval,
                                     log_stats=args.log_stats_interval > 0)
     try:
-        metrics.cache_blocks.labels(model_name=name).set(engine.num_gpu_blocks)
+        metrics.set_num_gpu_blocks(engine.num_gpu_blocks)
         max_sequences = args.max_request_sequences or vllm_config.scheduler_config.max_num_seqs
         state = ServerState(engine=engine, served_model_names=[name], api_key=api_key, chat_template=chat_template,
-                            metrics=metrics, max_request_sequences=max_sequences)
+                            metrics=metrics, max_request_sequences=max_sequences,
+                            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                            enable_force_include_usage=args.enable_force_include_usage,
+                            max_logprobs=args.max_logprobs)
         app = build_app(state)
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=args.access_log,
                                 timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off")

@@ -1,74 +1,181 @@
-"""Prometheus metrics (vLLM's set, under the ``pagedlm:`` prefix), served at GET /metrics.
+"""Prometheus metrics: vLLM's metric set, served at GET /metrics.
+
+Names are vLLM's after a prefix: ``pagedlm:`` by default, ``vllm:`` with ``--metrics-prefix vllm``
+(so that vLLM's Grafana dashboards and alerts work unchanged). Every series carries vLLM's labels
+``model_name`` and ``engine`` (always ``"0"``: the front end reports for all replicas).
 
 A ``StatLoggerBase`` of the engine: ``AsyncLLM`` calls ``record`` after every batch of outputs.
 Gauges come from the engine core's latest snapshot; the core's cumulative counters (prefix-cache
-lookups, preemptions) are turned into counter increments here. Each server has its own
-registry, so several apps in one process (tests) do not collide.
+lookups, preemptions) are turned into counter increments here; per-request histograms come from
+the front end's ``IterationStats``. Each server has its own registry, so several apps in one
+process (tests) do not collide. Series for features pagedlm does not have (an external KV
+connector, a multimodal cache, sleep mode, admission queues) are exported as vLLM exports them
+when idle: 0, or the "awake" state.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagedlm.core.metrics import EngineStatsSnapshot, IterationStats, StatLoggerBase
 
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                480.0, 960.0, 1920.0, 7680.0)
-FINISH_REASONS = ("stop", "length", "abort", "error")
+#: what --metrics-prefix accepts
+PREFIXES = {"pagedlm": "pagedlm:", "vllm": "vllm:"}
+# Buckets of vLLM's histogram families.
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
+
+
+def token_buckets(max_model_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_model_len`` (vLLM's buckets of token counts)."""
+    out, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return out
+            out.append(mantissa * scale)
+        scale *= 10
 
 
 class PrometheusStatLogger(StatLoggerBase):
-    def __init__(self, model_name: str, num_gpu_blocks: int = 0) -> None:
-        self.registry = CollectorRegistry()
-        labels = ["model_name"]
-        r = self.registry
+    def __init__(self, model_name: str, num_gpu_blocks: int = 0, *, prefix: str = "pagedlm:",
+                 max_model_len: int = 8192, cache_config: Mapping[str, object] | None = None) -> None:
+        self.registry = r = CollectorRegistry()
+        self.prefix = prefix
+        self.labels = lbl = {"model_name": model_name, "engine": "0"}
+        names = list(lbl)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=r)
+            return Gauge(prefix + name, doc, names, registry=r)
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, labels + list(extra), registry=r)
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(prefix + name, doc, names, registry=r)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[int]) -> Histogram:
+            return Histogram(prefix + name, doc, names, buckets=buckets, registry=r)
 
-        self.running = gauge("pagedlm:num_requests_running", "Requests in the running batch (engine requests)")
-        self.waiting = gauge("pagedlm:num_requests_waiting", "Requests waiting to be scheduled")
-        self.kv_usage = gauge("pagedlm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use, 0..1")
-        self.cache_blocks = gauge("pagedlm:num_gpu_blocks", "KV-cache blocks allocated at start-up")
-        self.prefix_queries = counter("pagedlm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
-        self.prefix_hits = counter("pagedlm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
-        self.preemptions = counter("pagedlm:num_preemptions", "Preemptions (recomputes) by the scheduler")
-        self.prompt_tokens = counter("pagedlm:prompt_tokens", "Prompt tokens processed (prefills completed)")
-        self.generation_tokens = counter("pagedlm:generation_tokens", "Tokens generated")
-        self.request_success = counter("pagedlm:request_success", "Finished requests, by finish reason",
-                                       ("finished_reason",))
-        self.ttft = histogram("pagedlm:time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
-        self.itl = histogram("pagedlm:inter_token_latency_seconds", "Time between output tokens", _ITL_BUCKETS)
-        self.e2e = histogram("pagedlm:e2e_request_latency_seconds", "Arrival to last token", _E2E_BUCKETS)
+        def by(metric: Counter | Gauge, key: str, values: tuple[str, ...]) -> dict[str, Counter | Gauge]:
+            return {v: metric.labels(**lbl, **{key: v}) for v in values}
 
-        self.model_name = model_name
-        lbl = {"model_name": model_name}
-        self._l = lbl
-        self.cache_blocks.labels(**lbl).set(num_gpu_blocks)
-        # Create every labelled child now, so each series is exported (as 0) before its first event.
-        for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
-                       self.preemptions, self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e):
+        # scheduler state and the KV cache
+        self.running = gauge("num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        self.waiting_by_reason = by(Gauge(prefix + "num_requests_waiting_by_reason",
+                                          "Number of waiting requests by reason: 'capacity' = waiting for "
+                                          "scheduling capacity; 'deferred' = deferred by transient constraints.",
+                                          names + ["reason"], registry=r), "reason", ("capacity", "deferred"))
+        sleep = Gauge(prefix + "engine_sleep_state", "Engine sleep state (awake = 1: the engine runs; pagedlm "
+                      "has no sleep mode).", names + ["sleep_state"], registry=r)
+        for state, value in (("awake", 1), ("weights_offloaded", 0), ("discard_all", 0)):
+            sleep.labels(**lbl, sleep_state=state).set(value)
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.cache_blocks = gauge("num_gpu_blocks", "KV-cache blocks allocated at start-up (pagedlm's).")
+        self._cache_config = {str(k): str(v) for k, v in (cache_config or {}).items()}
+        self._block_size = int(self._cache_config.get("block_size", "16"))
+        self._max_model_len = max_model_len
+        self._cache_info = Gauge(prefix + "cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 [*self._cache_config, "num_gpu_blocks", "kv_cache_size_tokens",
+                                  "kv_cache_max_concurrency", "engine"], registry=r)
+        self.prefix_queries = counter("prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                                      "queried tokens.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        idle = [counter(name, "External (KV connector) prefix cache tokens: always 0, pagedlm has no KV connector.")
+                for name in ("external_prefix_cache_queries", "external_prefix_cache_hits")]
+        idle += [counter(name, "Multi-modal cache items: always 0, pagedlm serves text models.")
+                 for name in ("mm_cache_queries", "mm_cache_hits")]
+        # counters of tokens and requests
+        self.preemptions = counter("num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.prompt_by_source = by(Counter(prefix + "prompt_tokens_by_source", "Number of prompt tokens by source.",
+                                           names + ["source"], registry=r), "source", PROMPT_SOURCES)
+        self.prompt_cached = counter("prompt_tokens_cached", "Number of cached prompt tokens (local + external).")
+        self.cached_by_source = by(Counter(prefix + "prompt_tokens_cached_by_source", "Prefix-cache hit tokens by "
+                                           "the cache tier that supplied them.", names + ["source"], registry=r),
+                                   "source", CACHE_HIT_SOURCES)
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        self.request_success = by(Counter(prefix + "request_success", "Count of successfully processed requests.",
+                                          names + ["finished_reason"], registry=r), "finished_reason", FINISH_REASONS)
+        admission = Counter(prefix + "admission_rejections", "Number of admission attempts rejected by a queue "
+                            "limit, by reason (pagedlm has no such queue: 0).", ["model_name", "reason"], registry=r)
+        for reason in ADMISSION_REASONS:
+            admission.labels(model_name=model_name, reason=reason)
+        # histograms
+        tokens = token_buckets(max_model_len)
+        self.h_prompt = histogram("request_prompt_tokens", "Number of prefill tokens processed.", tokens)
+        self.h_generation = histogram("request_generation_tokens", "Number of generation tokens processed.", tokens)
+        self.h_iteration = histogram("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                     ITERATION_TOKENS_BUCKETS)
+        self.h_max_generation = histogram("request_max_num_generation_tokens",
+                                          "Histogram of maximum number of requested generation tokens.", tokens)
+        self.h_n = histogram("request_params_n", "Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS)
+        self.h_max_tokens = histogram("request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+                                      tokens)
+        self.h_ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                                TTFT_BUCKETS)
+        self.h_itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                               ITL_BUCKETS)
+        self.h_tpot = histogram("request_time_per_output_token_seconds",
+                                "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+        self.h_e2e = histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                               REQUEST_LATENCY_BUCKETS)
+        self.h_queue = histogram("request_queue_time_seconds", "Histogram of time spent in WAITING phase for "
+                                 "request.", REQUEST_LATENCY_BUCKETS)
+        self.h_inference = histogram("request_inference_time_seconds", "Histogram of time spent in RUNNING phase "
+                                     "for request.", REQUEST_LATENCY_BUCKETS)
+        self.h_prefill = histogram("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for "
+                                   "request.", REQUEST_LATENCY_BUCKETS)
+        self.h_decode = histogram("request_decode_time_seconds", "Histogram of time spent in DECODE phase for "
+                                  "request.", REQUEST_LATENCY_BUCKETS)
+        self.h_preemptions = histogram("request_num_preemptions", "Histogram of the number of times a request was "
+                                       "preempted.", REQUEST_NUM_PREEMPTIONS_BUCKETS)
+        self.h_prefill_kv = histogram("request_prefill_kv_computed_tokens", "Histogram of new KV tokens computed "
+                                      "during prefill (excluding cached tokens).", tokens)
+
+        # Every labelled child now, so that each series is exported (as 0) before its first event.
+        self._c = {m: m.labels(**lbl) for m in (
+            self.running, self.waiting, self.kv_usage, self.cache_blocks, self.prefix_queries, self.prefix_hits,
+            self.preemptions, self.prompt_tokens, self.prompt_cached, self.generation_tokens, self.h_prompt,
+            self.h_generation, self.h_iteration, self.h_max_generation, self.h_n, self.h_max_tokens, self.h_ttft,
+            self.h_itl, self.h_tpot, self.h_e2e, self.h_queue, self.h_inference, self.h_prefill, self.h_decode,
+            self.h_preemptions, self.h_prefill_kv)}
+        for metric in idle:
             metric.labels(**lbl)
-        for reason in FINISH_REASONS:
-            self.request_success.labels(finished_reason=reason, **lbl)
+        self.model_name = model_name
+        self.set_num_gpu_blocks(num_gpu_blocks)
         self._last = EngineStatsSnapshot()
 
+    def set_num_gpu_blocks(self, num_gpu_blocks: int) -> None:
+        """The KV blocks the engine allocated: pagedlm's gauge, and a label of cache_config_info (an
+        info series: a gauge fixed at 1 whose labels are the cache configuration, as vLLM's)."""
+        self._c[self.cache_blocks].set(num_gpu_blocks)
+        self._cache_info.clear()
+        # tokens the cache holds, and how many requests of max_model_len fit in it at once
+        per_request = -(-self._max_model_len // self._block_size)
+        self._cache_info.labels(**self._cache_config, num_gpu_blocks=str(num_gpu_blocks),
+                                kv_cache_size_tokens=str(num_gpu_blocks * self._block_size),
+                                kv_cache_max_concurrency=f"{num_gpu_blocks / per_request:.2f}", engine="0").set(1)
+
     def record(self, engine_stats: EngineStatsSnapshot | None, iteration_stats: IterationStats | None) -> None:
-        lbl = self._l
+        c = self._c
         if engine_stats is not None:
-            self.running.labels(**lbl).set(engine_stats.num_running_reqs)
-            self.waiting.labels(**lbl).set(engine_stats.num_waiting_reqs)
-            self.kv_usage.labels(**lbl).set(engine_stats.kv_cache_usage)
+            c[self.running].set(engine_stats.num_running_reqs)
+            c[self.waiting].set(engine_stats.num_waiting_reqs)
+            # every waiting request waits for capacity: nothing in pagedlm defers one
+            self.waiting_by_reason["capacity"].set(engine_stats.num_waiting_reqs)
+            c[self.kv_usage].set(engine_stats.kv_cache_usage)
             last = self._last
             for counter, new, old in (
                 (self.prefix_queries, engine_stats.prefix_cache_queries, last.prefix_cache_queries),
@@ -78,17 +185,40 @@ class PrometheusStatLogger(StatLoggerBase):
                 # A total that went down was reset in the core: everything since counts.
                 delta = new - old if new >= old else new
                 if delta > 0:
-                    counter.labels(**lbl).inc(delta)
+                    c[counter].inc(delta)
             self._last = engine_stats
         if iteration_stats is not None:
-            if iteration_stats.num_prompt_tokens:
-                self.prompt_tokens.labels(**lbl).inc(iteration_stats.num_prompt_tokens)
-            if iteration_stats.num_generation_tokens:
-                self.generation_tokens.labels(**lbl).inc(iteration_stats.num_generation_tokens)
-            for value in iteration_stats.time_to_first_tokens:
-                self.ttft.labels(**lbl).observe(value)
-            for value in iteration_stats.inter_token_latencies:
-                self.itl.labels(**lbl).observe(value)
-            for finished in iteration_stats.finished_requests:
-                self.request_success.labels(finished_reason=finished.finish_reason, **lbl).inc()
-                self.e2e.labels(**lbl).observe(finished.e2e_latency)
+            self._record_iteration(iteration_stats)
+
+    def _record_iteration(self, it: IterationStats) -> None:
+        c = self._c
+        if it.num_prompt_tokens:
+            c[self.prompt_tokens].inc(it.num_prompt_tokens)
+            self.prompt_by_source["local_compute"].inc(it.num_prompt_tokens - it.num_cached_prompt_tokens)
+        if it.num_cached_prompt_tokens:
+            self.prompt_by_source["local_cache_hit"].inc(it.num_cached_prompt_tokens)
+            c[self.prompt_cached].inc(it.num_cached_prompt_tokens)
+            self.cached_by_source["device"].inc(it.num_cached_prompt_tokens)
+        if it.num_generation_tokens:
+            c[self.generation_tokens].inc(it.num_generation_tokens)
+        for histogram, values in ((self.h_iteration, it.iteration_tokens), (self.h_ttft, it.time_to_first_tokens),
+                                  (self.h_itl, it.inter_token_latencies), (self.h_n, it.n_params),
+                                  (self.h_max_generation, it.max_num_generation_tokens)):
+            child = c[histogram]
+            for value in values:
+                child.observe(value)
+        for done in it.finished_requests:
+            self.request_success[done.finish_reason if done.finish_reason in self.request_success else "error"].inc()
+            c[self.h_e2e].observe(done.e2e_latency)
+            if done.has_phase_times:
+                c[self.h_queue].observe(done.queued_time)
+                c[self.h_prefill].observe(done.prefill_time)
+                c[self.h_decode].observe(done.decode_time)
+                c[self.h_inference].observe(done.inference_time)
+            c[self.h_preemptions].observe(done.num_preemptions)
+            c[self.h_prefill_kv].observe(done.num_prompt_tokens - done.num_cached_tokens)
+            c[self.h_prompt].observe(done.num_prompt_tokens)
+            c[self.h_generation].observe(done.num_generation_tokens)
+            c[self.h_tpot].observe(done.mean_time_per_output_token)
+            if done.max_tokens_param:
+                c[self.h_max_tokens].observe(done.max_tokens_param)

@@ -24,13 +24,15 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Largest seed accepted: choice i of a request with n > 1 samples with seed + i (n <= 128).
 MAX_SEED = INT64_MAX - 128
 MAX_N = 128
+#: default of --max-logprobs (vLLM's default max_logprobs)
 MAX_LOGPROBS = 20
 
 
 # Integer fields (or lists of integers): JSON Schema, and so the schema we publish, counts 2.0
 # as an integer, so 2.0 is accepted there as 2 (2.5 and "2" are still refused).
 _INT_FIELDS = frozenset({"n", "seed", "top_k", "min_tokens", "max_tokens", "logprobs", "best_of",
-                         "max_completion_tokens", "top_logprobs", "stop_token_ids", "prompt", "tokens"})
+                         "max_completion_tokens", "top_logprobs", "stop_token_ids", "prompt", "tokens",
+                         "prompt_logprobs", "truncate_prompt_tokens"})
 
 
 #: the pydantic error type of text that cannot be encoded as UTF-8 (errors.py reports it first)
@@ -68,6 +70,8 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = Field(
+        None, description="vLLM's extension: with include_usage, every chunk also carries the usage so far")
 
 
 class SamplingFields(OpenAIModel):
@@ -88,10 +92,11 @@ class SamplingFields(OpenAIModel):
     )
     user: Text | None = None
     # vLLM extensions
-    top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables top-k")
+    # (the upper bounds keep every integer within what the engine's wire format carries)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX, description="-1 or 0 disables top-k")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    min_tokens: int | None = Field(None, ge=0)
+    min_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
@@ -99,14 +104,29 @@ class SamplingFields(OpenAIModel):
     return_token_ids: bool | None = Field(
         None, description="also return token ids: the prompt's and the generated ones (in a stream: the prompt's "
                           "in each choice's first chunk, each chunk's own generated ids)")
+    prompt_logprobs: int | None = Field(
+        None, ge=-1, description="logprobs of the prompt's tokens with this many alternatives each (-1: the whole "
+                                 "vocabulary, within --max-logprobs); not with stream=true")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="keep at most this many prompt tokens (-1: max_model_len - 1)")
+    use_beam_search: bool | None = Field(None, description="vLLM's beam search: not supported (must be false)")
+    return_tokens_as_token_ids: bool | None = Field(
+        None, description="write the tokens of logprobs as 'token_id:<id>' (for tokens that are not valid text alone)")
+    truncation_side: Literal["left", "right"] | None = Field(
+        None, description="with truncate_prompt_tokens: 'right' keeps the first tokens, 'left' the last (default: "
+                          "the tokenizer's side, else 'right')")
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Text | list[Text] | list[int] | list[list[int]] = Field(
-        description="a string, a list of strings, a list of token ids or a list of lists of token ids"
+    # NOTE: optional in the schema only so that a request with vLLM's prompt_embeds instead gets
+    # its own message; a request without either is a 400 naming prompt.
+    prompt: Text | list[Text] | list[int] | list[list[int]] | None = Field(
+        None, description="a string, a list of strings, a list of token ids or a list of lists of token ids"
     )
-    max_tokens: int | None = Field(None, ge=1, description="default 16")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_embeds: Text | list[Text] | None = Field(
+        None, description="vLLM's base64-encoded prompt embeddings: refused (not supported by this server)")
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX, description="default 16")
+    logprobs: int | None = Field(None, ge=-1, description="-1: the whole vocabulary (within --max-logprobs)")
     echo: bool | None = None
     suffix: Text | None = Field(None, description="not supported: must be null")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="must equal n when given")
@@ -126,14 +146,28 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI: use max_completion_tokens")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX,
+                                   description="deprecated by OpenAI: use max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=-1, description="-1: the whole vocabulary (within --max-logprobs)")
     add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = Field(
+        None, description="template the last (assistant) message open, for the model to continue it; not with "
+                          "add_generation_prompt")
+    echo: bool | None = Field(None, description="start each choice's content with the last message's content when "
+                                                "that message is the assistant's")
     # Accepted so that they can be refused with a clear message (see serving_chat).
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """vLLM's /v1/chat/completions/batch: the fields of a chat request, ``messages`` a list of
+    conversations (each answered by the choice of its index)."""
+
+    messages: list[Annotated[list[ChatMessage], Field(min_length=1)]] = Field(  # type: ignore[assignment]
+        min_length=1, description="the conversations, each a list of messages")
 
 
 class TokenizeRequest(OpenAIModel):
@@ -142,6 +176,7 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
     return_token_strs: bool | None = Field(None, description="also return the tokenizer's piece of every id")
 
 

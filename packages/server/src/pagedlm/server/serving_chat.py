@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 
 from pagedlm.core import EngineDeadError
 from pagedlm.core.outputs import RequestOutput, SampleLogprobs
+from pagedlm.core.sampling_params import SamplingParams
 from pagedlm.core.text import utf8_problem
 from pagedlm.server.errors import APIError, error_response, logger
 from pagedlm.server.protocol import ChatCompletionRequest, ChatMessage
@@ -28,6 +29,7 @@ from pagedlm.server.serving_common import (
     finite,
     make_sampling_params,
     off_loop,
+    prompt_logprobs_body,
     random_id,
     sse,
     sse_error,
@@ -50,8 +52,15 @@ def check_messages_length(state: ServerState, messages: list[ChatMessage], param
 
 
 def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
-                param: str = "messages") -> tuple[str, list[int]]:
-    """Apply the chat template (``--chat-template`` or the tokenizer's); returns (text, token ids)."""
+                param: str = "messages", continue_final_message: bool = False,
+                add_special_tokens: bool = False) -> tuple[str, list[int]]:
+    """Apply the chat template (``--chat-template`` or the tokenizer's); returns (text, token ids).
+
+    ``continue_final_message`` leaves the last message open (vLLM's and transformers' option);
+    ``add_special_tokens`` adds the tokenizer's own specials (BOS) to what the template wrote."""
+    if continue_final_message and add_generation_prompt:
+        raise APIError("continue_final_message and add_generation_prompt cannot both be true: the first continues "
+                       "the last message, the second starts a new one", param="continue_final_message")
     tokenizer = state.engine.tokenizer
     if tokenizer is None:
         raise APIError("chat needs a tokenizer, and this server runs without one (skip_tokenizer_init)")
@@ -76,19 +85,42 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
             entry["name"] = message.name
         conversation.append(entry)
     try:
+        extra = {"continue_final_message": True} if continue_final_message else {}
         text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt, **extra)
     except Exception as e:  # noqa: BLE001 - jinja's errors (TemplateError, UndefinedError, ...) are bad input
         raise APIError(f"cannot apply the chat template to these messages: {type(e).__name__}: {e}",
                        param=param) from None
     if (problem := utf8_problem(text)) is not None:  # a template can write escapes of its own
         raise APIError(f"the chat template's output {problem}", param=param)
     # The template writes the special tokens (BOS, role markers) itself.
-    token_ids = tokenizer(text, add_special_tokens=False).input_ids
+    token_ids = tokenizer(text, add_special_tokens=add_special_tokens).input_ids
     return text, list(token_ids)
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Any:
+def _render_and_truncate(state: ServerState, req: ChatCompletionRequest, messages: list[ChatMessage],
+                         add_generation_prompt: bool, param: str) -> tuple[str, list[int]]:
+    text, token_ids = render_chat(state, messages, add_generation_prompt=add_generation_prompt, param=param,
+                                  continue_final_message=bool(req.continue_final_message))
+    truncated = state.truncate(req, token_ids)
+    if len(truncated) < len(token_ids):
+        text = state.engine.tokenizer.decode(truncated)
+    return text, truncated
+
+
+def echo_text(req: ChatCompletionRequest, messages: list[ChatMessage]) -> str:
+    """vLLM's chat ``echo``: the last message's text when it is the assistant's (what the answer
+    continues, with ``continue_final_message``), else nothing."""
+    last = messages[-1]
+    if not req.echo or last.role != "assistant" or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part.text or "" for part in last.content)
+
+
+def chat_params(state: ServerState, req: ChatCompletionRequest) -> tuple[SamplingParams, int | None]:
+    """The checks of a chat request that do not need its messages; (params, number of logprobs)."""
     check_model(state, req.model)
     check_engine(state)
     if req.tools:
@@ -102,27 +134,43 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if req.stream_options is not None and not stream:
         raise APIError("stream_options is only allowed with stream=true", param="stream_options")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = make_sampling_params(req, max_tokens=max_tokens, logprobs=num_logprobs, prompt_logprobs=None,
-                                  stream=stream)
+    num_logprobs = state.resolve_logprobs(req.top_logprobs or 0, "top_logprobs") if req.logprobs else None
+    num_prompt_logprobs = state.resolve_logprobs(req.prompt_logprobs, "prompt_logprobs")
+    if num_prompt_logprobs is not None and stream:
+        raise APIError("prompt_logprobs are not available with stream=true", param="prompt_logprobs")
+    params = make_sampling_params(req, max_tokens=max_tokens, logprobs=num_logprobs,
+                                  prompt_logprobs=num_prompt_logprobs, stream=stream)
+    return params, num_logprobs
+
+
+async def chat_prompt(state: ServerState, req: ChatCompletionRequest, messages: list[ChatMessage],
+                      params: SamplingParams, param: str = "messages") -> tuple[str, list[int]]:
+    """One conversation templated, tokenized (off the event loop), truncated and validated."""
     add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
-    check_sequences(state, 1, params.n)
-    check_messages_length(state, req.messages)
-    text, token_ids = await off_loop(render_chat, state, req.messages, add_generation_prompt=add_generation_prompt)
+    check_messages_length(state, messages, param)
+    text, token_ids = await off_loop(_render_and_truncate, state, req, messages, add_generation_prompt, param)
     try:
         state.engine.validate_prompt(token_ids, params)
     except ValueError as e:
-        error = bad_request(e, prompt_param="messages")
-        if max_tokens is not None and "max_tokens" in error.message:
+        error = bad_request(e, prompt_param=param)
+        if params.max_tokens is not None and "max_tokens" in error.message:
             error.param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         raise error from None
+    return text, token_ids
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Any:
+    params, num_logprobs = chat_params(state, req)
+    stream = bool(req.stream)
+    check_sequences(state, 1, params.n)
+    text, token_ids = await chat_prompt(state, req, req.messages, params)
     request_id = random_id("chatcmpl")
     gen = state.engine.generate({"prompt": text, "prompt_token_ids": token_ids}, params, request_id)
-    builder = _ChatBuilder(state, request_id, int(time.time()), num_logprobs,
-                           prompt_token_ids=token_ids if req.return_token_ids else None)
+    builder = _ChatBuilder(state, request_id, int(time.time()), num_logprobs, token_ids,
+                           return_ids=bool(req.return_token_ids), prompt_logprobs=req.prompt_logprobs is not None,
+                           echo=echo_text(req, req.messages), as_ids=bool(req.return_tokens_as_token_ids))
     if stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return SSEResponse(builder.stream(gen, params.n, include_usage))
+        return SSEResponse(builder.stream(gen, params.n, *state.stream_usage(req)))
 
     async def collect() -> RequestOutput | None:
         final = None
@@ -140,17 +188,23 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 
 class _ChatBuilder:
-    def __init__(self, state: ServerState, request_id: str, created: int, num_logprobs: int | None, *,
-                 prompt_token_ids: list[int] | None = None) -> None:
+    def __init__(self, state: ServerState, request_id: str, created: int, num_logprobs: int | None,
+                 prompt_token_ids: list[int], *, return_ids: bool = False, prompt_logprobs: bool = False,
+                 echo: str = "", as_ids: bool = False) -> None:
+        self.prompt_logprobs = prompt_logprobs
+        self.echo = echo
+        self.as_ids = as_ids
+        self.state = state
         self.engine = state.engine
         self.tokenizer = state.engine.tokenizer
         self.model = state.model_name
         self.id = request_id
         self.created = created
         self.num_logprobs = num_logprobs
+        self.num_prompt_tokens = len(prompt_token_ids)
         #: the prompt's ids when the request asked for token ids (``return_token_ids``), else None
-        self.prompt_token_ids = prompt_token_ids
-        self.return_ids = prompt_token_ids is not None
+        self.prompt_token_ids = list(prompt_token_ids) if return_ids else None
+        self.return_ids = return_ids
 
     def _logprobs(self, token_ids: list[int], logprobs: SampleLogprobs | None) -> dict[str, Any] | None:
         if self.num_logprobs is None:
@@ -158,8 +212,8 @@ class _ChatBuilder:
         content = []
         for tid, position in zip(token_ids, logprobs or []):
             entry = position.get(tid)
-            text = token_text(self.tokenizer, tid, entry)
-            top = [{"token": (t := token_text(self.tokenizer, alt, lp)), "logprob": finite(lp.logprob),
+            text = token_text(self.tokenizer, tid, entry, self.as_ids)
+            top = [{"token": (t := token_text(self.tokenizer, alt, lp, self.as_ids)), "logprob": finite(lp.logprob),
                     "bytes": list(t.encode("utf-8"))} for alt, lp in top_entries(position, self.num_logprobs)]
             content.append({"token": text, "logprob": finite(entry.logprob) if entry is not None else -9999.0,
                             "bytes": list(text.encode("utf-8")), "top_logprobs": top})
@@ -170,17 +224,22 @@ class _ChatBuilder:
             raise APIError(f"generation failed: {out.error}", status=500)
         choices = [{
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text, "refusal": None},
+            # reasoning (and its older name reasoning_content): null, as vLLM sends it from a
+            # model without a reasoning parser
+            "message": {"role": "assistant", "content": self.echo + c.text, "refusal": None, "reasoning": None,
+                        "reasoning_content": None},
             "logprobs": self._logprobs(c.token_ids, c.logprobs),
             "finish_reason": finish_reason(c.finish_reason),
+            "stop_reason": c.stop_reason,
             "token_ids": list(c.token_ids) if self.return_ids else None,
         } for c in out.outputs]
         num_generated = sum(len(c.token_ids) for c in out.outputs)
-        # vLLM's extensions are always there, null unless asked for (prompt_logprobs always: its
-        # request field is not supported)
+        # vLLM's extensions are always there, null unless asked for
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage(len(out.prompt_token_ids), num_generated, out.num_cached_tokens),
-                "prompt_logprobs": None,
+                "choices": choices,
+                "usage": self.state.usage(len(out.prompt_token_ids), num_generated, out.num_cached_tokens),
+                "prompt_logprobs": (prompt_logprobs_body(self.tokenizer, out.prompt_logprobs)
+                                    if self.prompt_logprobs else None),
                 "prompt_token_ids": list(out.prompt_token_ids) if self.return_ids else None}
 
     def _chunk(self, choices: list[dict[str, Any]], include_usage: bool) -> dict[str, Any]:
@@ -190,10 +249,11 @@ class _ChatBuilder:
             body["usage"] = None  # as OpenAI: null on every chunk but the last
         return body
 
-    async def stream(self, gen: AsyncGenerator[RequestOutput, None], n: int, include_usage: bool):
+    async def stream(self, gen: AsyncGenerator[RequestOutput, None], n: int, include_usage: bool,
+                     continuous_usage: bool = False):
         """SSE events; an error after the 200 status line is sent in-band, then ``[DONE]``."""
         try:
-            async for event in self._events(gen, n, include_usage):
+            async for event in self._events(gen, n, include_usage, continuous_usage):
                 yield event
         except (APIError, EngineDeadError) as e:
             yield sse_error(e)
@@ -204,35 +264,52 @@ class _ChatBuilder:
             self.engine.abort(self.id)  # however the stream ends (client gone included)
         yield SSE_DONE
 
-    async def _events(self, gen: AsyncGenerator[RequestOutput, None], n: int, include_usage: bool):
-        # The role comes first, in a delta of its own, for every choice; with the prompt's ids.
-        first = self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for i in range(n)], include_usage)
-        first["prompt_token_ids"] = self.prompt_token_ids
-        yield sse(first)
+    async def _events(self, gen: AsyncGenerator[RequestOutput, None], n: int, include_usage: bool,
+                      continuous_usage: bool):
+        num_prompt = self.num_prompt_tokens
+        generated = [0] * n  # tokens so far per choice (continuous usage)
+        # The role comes first, in a chunk of its own for every choice (one choice per chunk, as
+        # OpenAI and vLLM send them), with the prompt's ids.
+        for i in range(n):
+            first = self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}], include_usage)
+            first["prompt_token_ids"] = self.prompt_token_ids
+            if continuous_usage:
+                first["usage"] = usage(num_prompt, 0)
+            yield sse(first)
+        if self.echo:  # vLLM's echo: the last message's content, a chunk per choice
+            for i in range(n):
+                chunk = self._chunk([{"index": i, "delta": {"content": self.echo}, "logprobs": None,
+                                      "finish_reason": None}], include_usage)
+                if continuous_usage:
+                    chunk["usage"] = usage(num_prompt, 0)
+                yield sse(chunk)
         finished: set[int] = set()
-        num_prompt = num_generated = 0
+        num_generated = num_cached = 0
         async for out in gen:
             if out.error:
                 raise APIError(f"generation failed: {out.error}", status=500)
             num_prompt = len(out.prompt_token_ids)
-            choices = []
+            num_cached = out.num_cached_tokens
             for c in out.outputs:
                 if c.index in finished:
                     continue
                 num_generated += len(c.token_ids)
+                generated[c.index] += len(c.token_ids)
                 reason = finish_reason(c.finish_reason)
                 if reason is not None:
                     finished.add(c.index)
                 elif not c.text and not c.token_ids:
                     continue  # nothing new (tokens that decode to no text, e.g. half a character, still go out)
                 delta = {"content": c.text} if c.text or reason is None else {}
-                choices.append({"index": c.index, "delta": delta, "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                                "finish_reason": reason,
-                                "token_ids": list(c.token_ids) if self.return_ids else None})
-            if choices:
-                yield sse(self._chunk(choices, include_usage))
+                chunk = self._chunk([{"index": c.index, "delta": delta,
+                                      "logprobs": self._logprobs(c.token_ids, c.logprobs), "finish_reason": reason,
+                                      "stop_reason": c.stop_reason,
+                                      "token_ids": list(c.token_ids) if self.return_ids else None}], include_usage)
+                if continuous_usage:  # vLLM's: this choice's tokens so far
+                    chunk["usage"] = usage(num_prompt, generated[c.index])
+                yield sse(chunk)
         if include_usage:
             body = self._chunk([], False)
-            body["usage"] = usage(num_prompt, num_generated)
+            body["usage"] = self.state.usage(num_prompt, num_generated, num_cached)
             yield sse(body)

@@ -23,7 +23,7 @@ from pagedlm.core import EngineClient, EngineDeadError
 from pagedlm.core.outputs import Logprob
 from pagedlm.core.sampling_params import RequestOutputKind, SamplingParams
 from pagedlm.server.errors import APIError, error_body, param_of_message, short_repr
-from pagedlm.server.protocol import SamplingFields
+from pagedlm.server.protocol import MAX_LOGPROBS, SamplingFields
 
 T = TypeVar("T")
 
@@ -43,6 +43,56 @@ class ServerState:
     metrics: Any = None  # pagedlm.server.metrics.PrometheusStatLogger
     #: most sequences (prompts x n) one request may create; None: no limit (--max-request-sequences)
     max_request_sequences: int | None = None
+    #: usage.prompt_tokens_details (cached tokens) in every usage (--enable-prompt-tokens-details)
+    enable_prompt_tokens_details: bool = False
+    #: every stream carries usage, on each chunk and in a last chunk (--enable-force-include-usage)
+    enable_force_include_usage: bool = False
+    #: most logprobs per position a request may ask for; -1: the vocabulary size (--max-logprobs)
+    max_logprobs: int = MAX_LOGPROBS
+
+    def resolve_logprobs(self, value: int | None, param: str) -> int | None:
+        """A logprobs count of a request: -1 means the whole vocabulary, as in vLLM; more than
+        --max-logprobs is a 400."""
+        if value is None:
+            return None
+        vocab = self.engine.vocab_size
+        count = vocab if value == -1 else value
+        limit = vocab if self.max_logprobs == -1 else self.max_logprobs
+        if count > limit:
+            asked = f"{param}=-1 asks for all {vocab} tokens" if value == -1 else f"{param}={value} is too many"
+            raise APIError(f"{asked}: at most {limit} logprobs per position are allowed (the server's "
+                           "--max-logprobs; -1 there allows the whole vocabulary)", param=param)
+        return count
+
+    def truncate(self, req: SamplingFields, token_ids: list[int]) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: keep that many tokens (-1: max_model_len - 1), from
+        ``truncation_side`` (default the tokenizer's, else the start: 'right' truncation)."""
+        keep = req.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        max_len = self.engine.max_model_len
+        if keep == -1:
+            keep = max_len - 1
+        if keep > max_len:
+            raise APIError(f"truncate_prompt_tokens={keep} is invalid: must be at most max_model_len={max_len} "
+                           "(or -1: max_model_len - 1)", param="truncate_prompt_tokens")
+        if len(token_ids) <= keep:
+            return token_ids
+        side = req.truncation_side or getattr(self.engine.tokenizer, "truncation_side", None) or "right"
+        return token_ids[len(token_ids) - keep:] if side == "left" else token_ids[:keep]
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+        """A usage object; ``prompt_tokens_details`` only with --enable-prompt-tokens-details, and
+        then always (``cached_tokens: 0`` too), as vLLM does."""
+        return usage(prompt_tokens, completion_tokens, cached_tokens if self.enable_prompt_tokens_details else None)
+
+    def stream_usage(self, req: SamplingFields) -> tuple[bool, bool]:
+        """(a usage chunk at the end, usage on every chunk) for a streamed request."""
+        if self.enable_force_include_usage:
+            return True, True
+        options = req.stream_options
+        include = bool(options and options.include_usage)
+        return include, include and bool(options and options.continuous_usage_stats)
 
     @property
     def model_name(self) -> str:
@@ -55,7 +105,9 @@ def get_state(request: Request) -> ServerState:
 
 def check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model not in state.served_model_names:
-        raise APIError(f"The model `{model}` does not exist. This server serves: {', '.join(state.served_model_names)}",
+        # (quoted cut short: a client's megabyte of "model" must not come back in the error)
+        shown = model if len(model) <= 200 else model[:197] + "..."
+        raise APIError(f"The model `{shown}` does not exist. This server serves: {', '.join(state.served_model_names)}",
                        status=404, param="model", code="model_not_found")
 
 
@@ -140,6 +192,9 @@ def parse_logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
 def make_sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None, stream: bool) -> SamplingParams:
     """SamplingParams from the request; ``SamplingParams``' own checks become 400s."""
+    if req.use_beam_search:
+        raise APIError("use_beam_search=true is not supported by this server: it samples (or decodes greedily) "
+                       "only; leave it false", param="use_beam_search")
     top_k = req.top_k if req.top_k not in (None, 0) else -1  # vLLM: 0 and -1 both disable
     kwargs: dict[str, Any] = dict(
         n=req.n or 1,
@@ -187,9 +242,10 @@ def finish_reason(reason: str | None) -> str | None:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """A usage object; with ``cached_tokens`` (not None) also ``prompt_tokens_details``."""
     body: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                             "total_tokens": prompt_tokens + completion_tokens}
-    if cached_tokens:
+    if cached_tokens is not None:
         body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return body
 
@@ -199,10 +255,23 @@ def finite(x: float) -> float:
     return x if math.isfinite(x) else MIN_LOGPROB
 
 
-def token_text(tokenizer: Any, token_id: int, entry: Logprob | None) -> str:
+def token_text(tokenizer: Any, token_id: int, entry: Logprob | None, as_id: bool = False) -> str:
+    """A token's text in logprobs (vLLM's ``return_tokens_as_token_ids``: ``token_id:<id>``)."""
+    if as_id:
+        return f"token_id:{token_id}"
     if entry is not None and entry.decoded_token is not None:
         return entry.decoded_token
     return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+
+def prompt_logprobs_body(tokenizer: Any, prompt_logprobs: list[dict[int, Logprob] | None] | None) -> list | None:
+    """vLLM's ``prompt_logprobs``: per prompt position (null first: nothing precedes it),
+    ``{token_id: {"logprob", "rank", "decoded_token"}}`` for the prompt's token and the top-k."""
+    if prompt_logprobs is None:
+        return None
+    return [None if position is None else {
+        str(tid): {"logprob": finite(lp.logprob), "rank": lp.rank, "decoded_token": token_text(tokenizer, tid, lp)}
+        for tid, lp in position.items()} for position in prompt_logprobs]
 
 
 def top_entries(position: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:

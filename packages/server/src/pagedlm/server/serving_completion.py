@@ -34,6 +34,7 @@ from pagedlm.server.serving_common import (
     make_sampling_params,
     merge,
     off_loop,
+    prompt_logprobs_body,
     random_id,
     sse,
     sse_error,
@@ -48,6 +49,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 
 def _prompts(req: CompletionRequest) -> list[str | list[int]]:
     prompt = req.prompt
+    assert prompt is not None  # checked first
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
@@ -79,13 +81,14 @@ def _prepare(state: ServerState, req: CompletionRequest, params: SamplingParams,
         where = _where(req, i)
         try:
             if isinstance(raw, str):
-                ids = engine.tokenize(raw, add_special_tokens=add_special)
+                full = engine.tokenize(raw, add_special_tokens=add_special)
+                ids = state.truncate(req, full)
                 engine.validate_prompt(ids, params)
-                text = raw
+                text = raw if len(ids) == len(full) else engine.tokenizer.decode(ids)
             else:
                 if not raw:
                     raise ValueError(f"{where}=[] is invalid: a token-id prompt needs at least one token")
-                ids = list(raw)
+                ids = state.truncate(req, list(raw))
                 engine.validate_prompt(ids, params)  # checks the vocabulary range, which decode needs
                 text = engine.tokenizer.decode(ids) if engine.tokenizer is not None else ""
         except ValueError as e:
@@ -97,6 +100,13 @@ def _prepare(state: ServerState, req: CompletionRequest, params: SamplingParams,
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Any:
     check_model(state, req.model)
     check_engine(state)
+    if req.prompt_embeds is not None:
+        # NOTE: the engine takes no prompt embeddings (vLLM's --enable-prompt-embeds) yet.
+        raise APIError("prompt_embeds is not supported by this server: its engine takes token prompts only "
+                       "(vLLM's --enable-prompt-embeds has no counterpart here); send prompt instead",
+                       param="prompt_embeds")
+    if req.prompt is None:
+        raise APIError("prompt is required", param="prompt")
     if req.suffix is not None:
         raise APIError("suffix is not supported by this server: leave it null", param="suffix")
     n = req.n or 1
@@ -107,10 +117,15 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     if req.stream_options is not None and not stream:
         raise APIError("stream_options is only allowed with stream=true", param="stream_options")
     echo = bool(req.echo)
-    params = make_sampling_params(
-        req, max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, logprobs=req.logprobs,
-        prompt_logprobs=req.logprobs if echo and req.logprobs is not None else None, stream=stream,
-    )
+    num_logprobs = state.resolve_logprobs(req.logprobs, "logprobs")
+    # vLLM's: the prompt's logprobs when asked, else (for echo) as many as the generated tokens'
+    num_prompt_logprobs = state.resolve_logprobs(req.prompt_logprobs, "prompt_logprobs")
+    if num_prompt_logprobs is not None and stream:
+        raise APIError("prompt_logprobs are not available with stream=true", param="prompt_logprobs")
+    if num_prompt_logprobs is None and echo:
+        num_prompt_logprobs = num_logprobs
+    params = make_sampling_params(req, max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, logprobs=num_logprobs,
+                                  prompt_logprobs=num_prompt_logprobs, stream=stream)
     raw_prompts = _prompts(req)
     check_sequences(state, len(raw_prompts), n)
     for i, text in enumerate(raw_prompts):
@@ -123,10 +138,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         state.engine.generate({"prompt": p.text, "prompt_token_ids": p.token_ids}, params, f"{request_id}-{i}")
         for i, p in enumerate(prompts)
     ]
-    builder = _Builder(state, req, prompts, n, echo, request_id, created)
+    builder = _Builder(state, req, prompts, n, echo, request_id, created, num_logprobs)
     if stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return SSEResponse(builder.stream(gens, include_usage))
+        return SSEResponse(builder.stream(gens, *state.stream_usage(req)))
 
     async def collect() -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(gens)
@@ -145,7 +159,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
 
 class _Builder:
     def __init__(self, state: ServerState, req: CompletionRequest, prompts: list[_Prompt], n: int, echo: bool,
-                 request_id: str, created: int) -> None:
+                 request_id: str, created: int, num_logprobs: int | None) -> None:
+        self.state = state
         self.engine = state.engine
         self.tokenizer = state.engine.tokenizer
         self.model = state.model_name
@@ -155,8 +170,9 @@ class _Builder:
         self.echo = echo
         self.id = request_id
         self.created = created
-        self.num_logprobs = req.logprobs
+        self.num_logprobs = num_logprobs
         self.return_ids = bool(req.return_token_ids)
+        self.as_ids = bool(req.return_tokens_as_token_ids)
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
@@ -170,14 +186,15 @@ class _Builder:
         body: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tid, position in zip(token_ids, logprobs):
             entry = position.get(tid) if position is not None else None
-            text = token_text(self.tokenizer, tid, entry)
+            text = token_text(self.tokenizer, tid, entry, self.as_ids)
             body["tokens"].append(text)
             # The first prompt token has no logprob (nothing precedes it): null, as OpenAI sends.
             body["token_logprobs"].append(finite(entry.logprob) if entry is not None else None)
             if position is None:
                 body["top_logprobs"].append(None)
             else:
-                top = {token_text(self.tokenizer, t, lp): finite(lp.logprob) for t, lp in top_entries(position, k)}
+                top = {token_text(self.tokenizer, t, lp, self.as_ids): finite(lp.logprob)
+                       for t, lp in top_entries(position, k)}
                 if entry is not None:
                     top.setdefault(text, finite(entry.logprob))
                 body["top_logprobs"].append(top)
@@ -214,24 +231,26 @@ class _Builder:
                 if self.num_logprobs is not None:
                     start = 0 if self.echo else len(prompt.text)
                     logprobs, _ = self._choice_logprobs(out, c, prompt, True, start)
-                # vLLM's extensions are always there, null unless asked for (prompt_logprobs always:
-                # its request field is not supported)
+                # vLLM's extensions are always there, null unless asked for
                 choices.append({"index": i * self.n + c.index,
                                 "text": (prompt.text if self.echo else "") + c.text,
                                 "logprobs": logprobs,
                                 "finish_reason": finish_reason(c.finish_reason),
-                                "prompt_logprobs": None,
+                                "stop_reason": c.stop_reason,
+                                "prompt_logprobs": (prompt_logprobs_body(self.tokenizer, out.prompt_logprobs)
+                                                    if self.req.prompt_logprobs is not None else None),
                                 "prompt_token_ids": list(out.prompt_token_ids) if self.return_ids else None,
                                 "token_ids": list(c.token_ids) if self.return_ids else None})
         body = self._envelope(sorted(choices, key=lambda c: c["index"]))
-        body["usage"] = usage(num_prompt, num_generated, num_cached)
+        body["usage"] = self.state.usage(num_prompt, num_generated, num_cached)
         return body
 
     # -- streaming ----------------------------------------------------------------------------
-    async def stream(self, gens: list[AsyncGenerator[RequestOutput, None]], include_usage: bool):
+    async def stream(self, gens: list[AsyncGenerator[RequestOutput, None]], include_usage: bool,
+                     continuous_usage: bool = False):
         """SSE events; an error after the 200 status line is sent in-band, then ``[DONE]``."""
         try:
-            async for event in self._events(gens, include_usage):
+            async for event in self._events(gens, include_usage, continuous_usage):
                 yield event
         except (APIError, EngineDeadError) as e:
             yield sse_error(e)
@@ -244,8 +263,11 @@ class _Builder:
                 self.engine.abort(f"{self.id}-{i}")
         yield SSE_DONE
 
-    async def _events(self, gens: list[AsyncGenerator[RequestOutput, None]], include_usage: bool):
+    async def _events(self, gens: list[AsyncGenerator[RequestOutput, None]], include_usage: bool,
+                      continuous_usage: bool):
         started: set[int] = set()
+        generated: dict[int, int] = {}  # choice index -> tokens so far (continuous usage)
+        cached: dict[int, int] = {}  # prompt -> its prefix-cache hit
         finished: set[int] = set()
         offsets: dict[int, int] = {}  # choice index -> text offset of its next token (logprobs)
         ids_sent: set[int] = set()  # choices whose prompt_token_ids went out (in their first chunk)
@@ -254,7 +276,6 @@ class _Builder:
             prompt = self.prompts[i]
             if out.error:
                 raise APIError(f"generation failed: {out.error}", status=500)
-            choices = []
             for c in out.outputs:
                 index = i * self.n + c.index
                 if index in finished:
@@ -265,12 +286,15 @@ class _Builder:
                     started.add(index)
                     if c.index == 0:
                         num_prompt += len(out.prompt_token_ids)
+                    generated[index] = 0
                     offsets[index] = 0 if self.echo else len(prompt.text)
                     if self.echo:
                         text = prompt.text + text
                 if self.num_logprobs is not None:
                     logprobs, offsets[index] = self._choice_logprobs(out, c, prompt, first, offsets[index])
                 num_generated += len(c.token_ids)
+                generated[index] += len(c.token_ids)
+                cached[i] = max(cached.get(i, 0), out.num_cached_tokens)
                 reason = finish_reason(c.finish_reason)
                 if reason is not None:
                     finished.add(index)
@@ -280,12 +304,14 @@ class _Builder:
                 if self.return_ids and index not in ids_sent:
                     ids_sent.add(index)
                     prompt_ids = list(out.prompt_token_ids)
-                choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
-                                "prompt_token_ids": prompt_ids,
-                                "token_ids": list(c.token_ids) if self.return_ids else None})
-            if choices:
-                yield sse(self._envelope(choices))
+                # One choice per chunk, as OpenAI and vLLM send them: clients read choices[0].
+                body = self._envelope([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
+                                        "stop_reason": c.stop_reason, "prompt_token_ids": prompt_ids,
+                                        "token_ids": list(c.token_ids) if self.return_ids else None}])
+                if continuous_usage:  # vLLM's: this choice's tokens so far, with its prompt's
+                    body["usage"] = usage(len(out.prompt_token_ids), generated[index])
+                yield sse(body)
         if include_usage:
             body = self._envelope([])
-            body["usage"] = usage(num_prompt, num_generated)
+            body["usage"] = self.state.usage(num_prompt, num_generated, sum(cached.values()))
             yield sse(body)

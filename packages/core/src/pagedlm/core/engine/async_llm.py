@@ -207,7 +207,7 @@ class AsyncLLM:
             [c.request_id for c in children], [c.sampling_params for c in children],
         )
         self._tracker.add(request_id, [c.request_id for c in children], len(core_request.prompt_token_ids),
-                          arrival)
+                          arrival, n=sampling_params.n, max_tokens=core_request.sampling_params.max_tokens)
         finished = False
         try:
             for child in children:
@@ -353,19 +353,23 @@ class AsyncLLM:
         try:
             while True:
                 batch = await self.engine_core.get_output_async()
-                outputs = batch.outputs
+                batches = [batch]
                 # If the core ran ahead (this loop was busy), take what has queued up in one go:
                 # each request then gets one output for several steps, and the backlog shrinks.
                 for _ in range(_MAX_MERGED_BATCHES - 1):
                     more = self.engine_core.get_output_nowait()
                     if more is None:
                         break
-                    outputs = outputs + more.outputs
+                    batches.append(more)
                     batch = more
                 now = time.monotonic()
                 stats = IterationStats()
-                self._tracker.on_outputs(outputs, now, stats)
+                for b in batches:  # the metrics see each step, with the core's time of it
+                    self._tracker.on_outputs(b.outputs, now, stats, b.timestamp)
+                outputs = batches[0].outputs if len(batches) == 1 else [o for b in batches for o in b.outputs]
                 request_outputs, to_abort = self.output_processor.process_outputs(outputs)
+                if to_abort:
+                    self._tracker.finish_children(to_abort, "stop", now, stats)
                 for out in request_outputs:
                     if out.finished:
                         reason = "error" if out.error else (out.outputs[0].finish_reason or "stop")

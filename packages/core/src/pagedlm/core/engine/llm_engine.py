@@ -109,7 +109,8 @@ class LLMEngine:
             [c.request_id for c in children], [c.sampling_params for c in children],
         )
         if self._tracker is not None:
-            self._tracker.add(request_id, [c.request_id for c in children], len(core_request.prompt_token_ids))
+            self._tracker.add(request_id, [c.request_id for c in children], len(core_request.prompt_token_ids),
+                              n=params.n, max_tokens=params.max_tokens)
         for child in children:
             self.engine_core.add_request(child)
 
@@ -128,6 +129,8 @@ class LLMEngine:
         if self._tracker is not None:
             now, stats = time.monotonic(), IterationStats()
             self._tracker.on_outputs(outputs, now, stats)
+            if to_abort:
+                self._tracker.finish_children(to_abort, "stop", now, stats)
             for out in request_outputs:
                 if out.finished:
                     reason = "error" if out.error else (out.outputs[0].finish_reason or "stop")

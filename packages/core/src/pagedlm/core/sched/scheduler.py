@@ -26,6 +26,7 @@ tokens that way; preempted requests are named so that workers drop them from the
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -48,12 +49,13 @@ class EngineCoreOutput:
 
     __slots__ = (
         "request_id", "new_token_ids", "finish_reason", "stop_reason", "new_logprobs",
-        "new_prompt_logprobs", "num_cached_tokens", "error",
+        "new_prompt_logprobs", "num_cached_tokens", "error", "timing", "num_preemptions",
     )
 
     def __init__(self, request_id: str, new_token_ids: list[int], finish_reason: str | None = None,
                  stop_reason: int | str | None = None, new_logprobs=None, new_prompt_logprobs=None,
-                 num_cached_tokens: int = 0, error: str | None = None) -> None:
+                 num_cached_tokens: int = 0, error: str | None = None,
+                 timing: tuple[float, float] | None = None, num_preemptions: int = 0) -> None:
         self.request_id = request_id
         self.new_token_ids = new_token_ids
         self.finish_reason = finish_reason
@@ -62,6 +64,10 @@ class EngineCoreOutput:
         self.new_prompt_logprobs = new_prompt_logprobs
         self.num_cached_tokens = num_cached_tokens
         self.error = error
+        #: (queued, first scheduled) wall-clock times in the core, on a request's first output only
+        self.timing = timing
+        #: times the request has been preempted so far
+        self.num_preemptions = num_preemptions
 
     @property
     def finished(self) -> bool:
@@ -232,6 +238,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             running.append(request)
+            if request.scheduled_time is None:
+                request.scheduled_time = time.time()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
             block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
@@ -337,6 +345,10 @@ class Scheduler:
                 EngineCoreOutput(
                     req_id, new_token_ids, status.finish_reason if finished else None, request.stop_reason,
                     logprobs, prompt_logprobs, request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
+                    # the metrics' queue and prefill times, once per request
+                    timing=((request.queued_time, request.scheduled_time or request.queued_time)
+                            if request.num_output_tokens == len(new_token_ids) else None),
+                    num_preemptions=request.num_preemptions,
                 )
             )
             if finished:

@@ -1,0 +1,198 @@
+"""vLLM's request and response extras that its clients use: prompt_logprobs, truncate_prompt_tokens,
+logprobs=-1 (the whole vocabulary, within --max-logprobs), and the fields vLLM always sends
+(null unless they have a value): stop_reason, prompt_logprobs, message.reasoning.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+MODEL = "tiny-llama"
+CHAT = [{"role": "user", "content": "Say something"}]
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json={"model": MODEL, **body}, headers=server.headers, timeout=60)
+
+
+def tokenize(server, prompt: str) -> list[int]:
+    return post(server, "/tokenize", {"prompt": prompt}).json()["tokens"]
+
+
+def check_prompt_logprobs(entries: list, prompt_ids: list[int], k: int) -> None:
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    for tid, position in zip(prompt_ids[1:], entries[1:]):
+        assert str(tid) in position, (tid, position)  # the prompt's own token, whatever its rank
+        ranks = sorted(e["rank"] for e in position.values())
+        assert set(range(1, k + 1)) <= set(ranks) and len(position) in (k, k + 1)
+        assert all(e["logprob"] <= 0 and isinstance(e["decoded_token"], str) for e in position.values())
+
+
+def test_prompt_logprobs(server, openai_schemas):
+    prompt = "The quick brown fox jumps"
+    ids = tokenize(server, prompt)
+    r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 3})
+    assert r.status_code == 200, r.text
+    openai_schemas.validate("CreateCompletionResponse", r.json())
+    check_prompt_logprobs(r.json()["choices"][0]["prompt_logprobs"], ids, 3)
+    chat = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 0})
+    assert chat.status_code == 200, chat.text
+    openai_schemas.validate("CreateChatCompletionResponse", chat.json())
+    rendered = post(server, "/tokenize", {"messages": CHAT}).json()["tokens"]
+    check_prompt_logprobs(chat.json()["prompt_logprobs"], rendered, 0)
+    for path, body in (("/v1/completions", {"prompt": prompt}), ("/v1/chat/completions", {"messages": CHAT})):
+        streamed = post(server, path, {**body, "prompt_logprobs": 1, "stream": True})
+        assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs", streamed.text
+        negative = post(server, path, {**body, "prompt_logprobs": -2})
+        assert negative.status_code == 400 and negative.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_minus_one_logprobs_is_the_vocabulary_within_max_logprobs(server, flagged_server):
+    for body, param in (({"prompt": "hi", "logprobs": -1}, "logprobs"),
+                        ({"prompt": "hi", "prompt_logprobs": -1}, "prompt_logprobs")):
+        r = post(server, "/v1/completions", {**body, "max_tokens": 1})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and "--max-logprobs" in error["message"] and "at most 20" in error["message"]
+    r = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "logprobs": True,
+                                              "top_logprobs": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "logprobs": 21}).status_code == 400
+    # --max-logprobs -1: the whole vocabulary
+    r = post(flagged_server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "logprobs": True,
+                                                      "top_logprobs": -1})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    vocab = len(content[0]["top_logprobs"])
+    assert vocab >= 256 and all(len(c["top_logprobs"]) == vocab for c in content)
+    r = post(flagged_server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "logprobs": -1})
+    # (the legacy object keys alternatives by their text, and byte tokens share one: fewer keys)
+    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) > 20
+
+
+def test_truncate_prompt_tokens(server):
+    prompt = "one two three four five six seven eight nine ten"
+    ids = tokenize(server, prompt)
+    assert len(ids) > 6
+    base = {"prompt": prompt, "max_tokens": 1, "return_token_ids": True}
+    for side, expected in (("left", ids[-4:]), ("right", ids[:4])):
+        r = post(server, "/v1/completions", {**base, "truncate_prompt_tokens": 4, "truncation_side": side})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["prompt_token_ids"] == expected and r.json()["usage"]["prompt_tokens"] == 4
+    # not longer than the prompt: the prompt as it is; -1: max_model_len - 1
+    for keep in (len(ids), 100, -1):
+        r = post(server, "/v1/completions", {**base, "truncate_prompt_tokens": keep})
+        assert r.json()["choices"][0]["prompt_token_ids"] == ids, keep
+    r = post(server, "/v1/completions", {**base, "prompt": [5] * 600, "truncate_prompt_tokens": -1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 511, r.text
+    too_many = post(server, "/v1/completions", {**base, "truncate_prompt_tokens": 513})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "truncate_prompt_tokens"
+    chat = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "return_token_ids": True,
+                                                 "truncate_prompt_tokens": 3, "truncation_side": "left"})
+    rendered = post(server, "/tokenize", {"messages": CHAT}).json()["tokens"]
+    assert chat.status_code == 200 and chat.json()["prompt_token_ids"] == rendered[-3:], chat.text
+
+
+def test_fields_vllm_always_sends(server, openai_schemas):
+    out = post(server, "/v1/completions", {"prompt": "hello", "max_tokens": 3}).json()
+    choice = out["choices"][0]
+    assert {"stop_reason", "prompt_logprobs", "prompt_token_ids", "token_ids"} <= set(choice)
+    assert choice["stop_reason"] is None and choice["prompt_logprobs"] is None
+    chat = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3}).json()
+    openai_schemas.validate("CreateChatCompletionResponse", chat)
+    message = chat["choices"][0]["message"]
+    assert "reasoning" in message and message["reasoning"] is None
+    assert "reasoning_content" in message and message["reasoning_content"] is None
+    assert chat["choices"][0]["stop_reason"] is None and chat["prompt_logprobs"] is None
+    # stop_reason: the stop string that ended the text
+    text = post(server, "/v1/completions", {"prompt": "hello", "max_tokens": 12, "temperature": 0,
+                                            "ignore_eos": True}).json()["choices"][0]["text"]
+    stop = text[3:5]
+    if stop.strip():
+        stopped = post(server, "/v1/completions", {"prompt": "hello", "max_tokens": 12, "temperature": 0,
+                                                   "stop": [stop]}).json()["choices"][0]
+        assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == stop, stopped
+
+
+def test_batch_chat_completions(server, client, openai_schemas):
+    conversations = [[{"role": "user", "content": "Hello"}], [{"role": "system", "content": "Be brief."},
+                                                             {"role": "user", "content": "Hi there"}]]
+    r = post(server, "/v1/chat/completions/batch", {"messages": conversations, "max_tokens": 5, "temperature": 0,
+                                                    "ignore_eos": True, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    openai_schemas.validate("CreateChatCompletionResponse", body)
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    for conversation, choice in zip(conversations, body["choices"]):
+        single = client.chat.completions.create(model=MODEL, messages=conversation, max_tokens=5, temperature=0,
+                                                extra_body={"ignore_eos": True})
+        assert choice["message"]["content"] == single.choices[0].message.content
+        assert len(choice["token_ids"]) == 5
+    prompt_tokens = sum(post(server, "/tokenize", {"messages": c}).json()["count"] for c in conversations)
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 10,
+                             "total_tokens": prompt_tokens + 10}
+    for extra, param in (({"stream": True}, "stream"), ({"n": 2}, "n")):
+        bad = post(server, "/v1/chat/completions/batch", {"messages": conversations, **extra})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    empty = post(server, "/v1/chat/completions/batch", {"messages": [conversations[0], []]})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages[1]", empty.text
+    bad_role = post(server, "/v1/chat/completions/batch", {"messages": [[{"role": "x", "content": "hi"}]]})
+    assert bad_role.status_code == 400 and bad_role.json()["error"]["param"] == "messages[0][0].role", bad_role.text
+
+
+def test_prompt_embeds_is_refused_by_name(server):
+    r = post(server, "/v1/completions", {"prompt_embeds": "AAAA", "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "prompt_embeds" and "not supported" in error["message"]
+    r = post(server, "/v1/completions", {"max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+def test_chat_echo_continue_final_message_and_tokens_as_ids(server):
+    saying = "An apple a day keeps"
+    messages = [{"role": "user", "content": "a saying?"}, {"role": "assistant", "content": saying}]
+    body = {"messages": messages, "max_tokens": 4, "add_generation_prompt": False,
+            "continue_final_message": True, "return_token_ids": True}
+    echoed = post(server, "/v1/chat/completions", {**body, "echo": True}).json()
+    assert echoed["choices"][0]["message"]["content"].startswith(saying), echoed
+    plain = post(server, "/v1/chat/completions", body).json()
+    assert not plain["choices"][0]["message"]["content"].startswith(saying)
+    # the prompt ends inside the last message: no end-of-turn after the saying
+    rendered = httpx.post(server.url + "/tokenize", json={"messages": messages, "add_generation_prompt": False,
+                                                          "continue_final_message": True},
+                          headers=server.headers).json()["tokens"]
+    assert plain["prompt_token_ids"] == rendered
+    assert post(server, "/detokenize", {"tokens": rendered}).json()["prompt"].endswith(saying)
+    both = post(server, "/v1/chat/completions", {**body, "add_generation_prompt": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message", both.text
+    # streamed echo: after the role chunk, a chunk with the saying
+    import json as _json
+
+    with httpx.stream("POST", server.url + "/v1/chat/completions", headers=server.headers, timeout=60,
+                      json={"model": MODEL, **body, "echo": True, "stream": True}) as r:
+        events = [_json.loads(e[6:]) for e in r.read().decode().split("\n\n") if e.startswith("data: {")]
+    assert events[1]["choices"][0]["delta"] == {"content": saying}
+    # return_tokens_as_token_ids: logprob tokens as token_id:<id>
+    lp = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "logprobs": True, "top_logprobs": 2,
+                                               "return_tokens_as_token_ids": True, "return_token_ids": True}).json()
+    content = lp["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in lp["choices"][0]["token_ids"]]
+    cmpl = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "logprobs": 1,
+                                            "return_tokens_as_token_ids": True}).json()["choices"][0]["logprobs"]
+    assert all(t.startswith("token_id:") for t in cmpl["tokens"])
+    # tokenize a chat with the tokenizer's own specials (BOS) added
+    special = httpx.post(server.url + "/tokenize", json={"messages": CHAT, "add_special_tokens": True},
+                         headers=server.headers).json()["tokens"]
+    without = httpx.post(server.url + "/tokenize", json={"messages": CHAT}, headers=server.headers).json()["tokens"]
+    assert len(special) >= len(without)
+
+
+def test_beam_search_is_refused_by_name(server):
+    r = post(server, "/v1/completions", {"prompt": "hi", "n": 2, "max_tokens": 2, "use_beam_search": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search", r.text
+    ok = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "use_beam_search": False})
+    assert ok.status_code == 200, ok.text
