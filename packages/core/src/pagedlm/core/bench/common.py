@@ -153,7 +153,7 @@ def _weight_memory_gib(llm: Any) -> float | None:
     the start-up log of each worker says it)."""
     try:
         model = llm.llm_engine.core.executor.worker.model_runner.model
-    except AttributeError:
+    except (AttributeError, RuntimeError):  # RuntimeError: data-parallel cores run elsewhere
         return None
     size = getattr(model, "weight_memory_bytes", None)
     return None if size is None else round(size / 2**30, 4)

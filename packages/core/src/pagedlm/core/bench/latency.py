@@ -174,7 +174,10 @@ def _weight_read_floor(llm: Any) -> dict[str, float] | None:
     None where it measures none (the CPU) or the workers run in other processes."""
     from pagedlm.core.platforms import resolve_platform
 
-    runner = getattr(getattr(getattr(llm.llm_engine.core, "executor", None), "worker", None), "model_runner", None)
+    try:
+        runner = llm.llm_engine.core.executor.worker.model_runner
+    except (AttributeError, RuntimeError):  # RuntimeError: data-parallel cores run elsewhere
+        return None
     weight_bytes = getattr(runner, "model_weight_bytes", None)
     if not weight_bytes:
         return None
