@@ -20,34 +20,22 @@ from collections.abc import Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagedlm.core.metrics import EngineStatsSnapshot, IterationStats, StatLoggerBase
+from pagedlm.core.metrics.buckets import (
+    ITERATION_TOKENS_BUCKETS,
+    ITL_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    REQUEST_NUM_PREEMPTIONS_BUCKETS,
+    REQUEST_PARAMS_N_BUCKETS,
+    TTFT_BUCKETS,
+    token_buckets,
+)
 
 #: what --metrics-prefix accepts
 PREFIXES = {"pagedlm": "pagedlm:", "vllm": "vllm:"}
-# Buckets of vLLM's histogram families.
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
-REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
 ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
-
-
-def token_buckets(max_model_len: int) -> list[int]:
-    """1, 2, 5, 10, 20, 50, ... up to ``max_model_len`` (vLLM's buckets of token counts)."""
-    out, scale = [], 1
-    while True:
-        for mantissa in (1, 2, 5):
-            if mantissa * scale > max_model_len:
-                return out
-            out.append(mantissa * scale)
-        scale *= 10
 
 
 class PrometheusStatLogger(StatLoggerBase):
@@ -64,7 +52,7 @@ class PrometheusStatLogger(StatLoggerBase):
         def counter(name: str, doc: str) -> Counter:
             return Counter(prefix + name, doc, names, registry=r)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[int]) -> Histogram:
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(prefix + name, doc, names, buckets=buckets, registry=r)
 
         def by(metric: Counter | Gauge, key: str, values: tuple[str, ...]) -> dict[str, Counter | Gauge]:

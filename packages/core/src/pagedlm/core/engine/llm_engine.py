@@ -71,7 +71,7 @@ class LLMEngine:
             self.tokenizer, stream_interval=vllm_config.scheduler_config.stream_interval)
         #: request statistics for get_metrics (per output of every step: off unless asked for)
         self._tracker = RequestStatsTracker() if log_stats else None
-        self._collector = MetricsCollector(vllm_config.model_config.name)
+        self._collector = MetricsCollector(vllm_config.model_config.name, vllm_config.max_model_len)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:

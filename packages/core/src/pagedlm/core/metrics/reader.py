@@ -7,8 +7,17 @@ vLLM users read them as ``from vllm.v1.metrics.reader import Counter, Gauge, His
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from pagedlm.core.metrics.buckets import (
+    ITERATION_TOKENS_BUCKETS,
+    ITL_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    REQUEST_NUM_PREEMPTIONS_BUCKETS,
+    REQUEST_PARAMS_N_BUCKETS,
+    TTFT_BUCKETS,
+    token_buckets,
+)
 from pagedlm.core.metrics.loggers import StatLoggerBase
 from pagedlm.core.metrics.stats import EngineStatsSnapshot, IterationStats
 
@@ -16,9 +25,8 @@ __all__ = ["Counter", "Gauge", "Histogram", "Metric", "MetricsCollector", "Vecto
 
 PREFIX = "pagedlm:"
 FINISH_REASONS = ("stop", "length", "abort", "error")
-#: seconds; the buckets of vLLM's latency histograms, shortened
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                   20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+#: seconds; the buckets of vLLM's time-to-first-token histogram (kept for existing importers)
+LATENCY_BUCKETS = TTFT_BUCKETS
 
 
 @dataclass
@@ -50,49 +58,92 @@ class Histogram(Metric):
     buckets: dict[str, int]
 
 
-@dataclass
 class _Distribution:
-    count: int = 0
-    sum: float = 0.0
-    below: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.count = 0
+        self.sum = 0.0
+        self.below = [0] * (len(bounds) + 1)
 
     def observe(self, value: float) -> None:
         self.count += 1
         self.sum += value
-        for i, bound in enumerate(LATENCY_BUCKETS):
+        for i, bound in enumerate(self.bounds):
             if value <= bound:
                 self.below[i] += 1
         self.below[-1] += 1
 
     def as_metric(self, name: str, labels: dict[str, str]) -> Histogram:
-        bounds = [str(b) for b in LATENCY_BUCKETS] + ["+Inf"]
+        bounds = [str(float(b)) for b in self.bounds] + ["+Inf"]
         return Histogram(name, labels, self.count, self.sum, dict(zip(bounds, self.below, strict=True)))
 
 
 class MetricsCollector(StatLoggerBase):
-    """Accumulates what the engine records (a stat logger) into :meth:`metrics`."""
+    """Accumulates what the engine records (a stat logger) into :meth:`metrics`: the series of the
+    server's /metrics that a single engine has (gauges, token and request counters, and the
+    per-request histograms with vLLM's buckets)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 8192) -> None:
         self.labels = {"model_name": model_name}
         self.engine = EngineStatsSnapshot()
-        self.prompt_tokens = self.generation_tokens = 0
+        self.prompt_tokens = self.generation_tokens = self.cached_prompt_tokens = 0
         self.finished = dict.fromkeys(FINISH_REASONS, 0)
-        self.ttft, self.itl, self.e2e = _Distribution(), _Distribution(), _Distribution()
+        tokens = token_buckets(max_model_len)
+        self.histograms = {name: _Distribution(bounds) for name, bounds in (
+            ("time_to_first_token_seconds", TTFT_BUCKETS), ("inter_token_latency_seconds", ITL_BUCKETS),
+            ("e2e_request_latency_seconds", REQUEST_LATENCY_BUCKETS),
+            ("request_queue_time_seconds", REQUEST_LATENCY_BUCKETS),
+            ("request_prefill_time_seconds", REQUEST_LATENCY_BUCKETS),
+            ("request_decode_time_seconds", REQUEST_LATENCY_BUCKETS),
+            ("request_inference_time_seconds", REQUEST_LATENCY_BUCKETS),
+            ("request_time_per_output_token_seconds", ITL_BUCKETS),
+            ("request_prompt_tokens", tokens), ("request_generation_tokens", tokens),
+            ("request_params_max_tokens", tokens), ("request_max_num_generation_tokens", tokens),
+            ("request_params_n", REQUEST_PARAMS_N_BUCKETS), ("iteration_tokens_total", ITERATION_TOKENS_BUCKETS),
+            ("request_num_preemptions", REQUEST_NUM_PREEMPTIONS_BUCKETS))}
+
+    # kept for code that reads them by attribute
+    @property
+    def ttft(self) -> _Distribution:
+        return self.histograms["time_to_first_token_seconds"]
+
+    @property
+    def itl(self) -> _Distribution:
+        return self.histograms["inter_token_latency_seconds"]
+
+    @property
+    def e2e(self) -> _Distribution:
+        return self.histograms["e2e_request_latency_seconds"]
 
     def record(self, engine_stats: EngineStatsSnapshot | None, iteration_stats: IterationStats | None) -> None:
         if engine_stats is not None:
             self.engine = engine_stats
         if iteration_stats is None:
             return
-        self.prompt_tokens += iteration_stats.num_prompt_tokens
-        self.generation_tokens += iteration_stats.num_generation_tokens
-        for value in iteration_stats.time_to_first_tokens:
-            self.ttft.observe(value)
-        for value in iteration_stats.inter_token_latencies:
-            self.itl.observe(value)
-        for finished in iteration_stats.finished_requests:
-            self.finished[finished.finish_reason] = self.finished.get(finished.finish_reason, 0) + 1
-            self.e2e.observe(finished.e2e_latency)
+        it, h = iteration_stats, self.histograms
+        self.prompt_tokens += it.num_prompt_tokens
+        self.cached_prompt_tokens += it.num_cached_prompt_tokens
+        self.generation_tokens += it.num_generation_tokens
+        for name, values in (("time_to_first_token_seconds", it.time_to_first_tokens),
+                             ("inter_token_latency_seconds", it.inter_token_latencies),
+                             ("iteration_tokens_total", it.iteration_tokens), ("request_params_n", it.n_params),
+                             ("request_max_num_generation_tokens", it.max_num_generation_tokens)):
+            for value in values:
+                h[name].observe(value)
+        for done in it.finished_requests:
+            self.finished[done.finish_reason] = self.finished.get(done.finish_reason, 0) + 1
+            h["e2e_request_latency_seconds"].observe(done.e2e_latency)
+            if done.has_phase_times:
+                h["request_queue_time_seconds"].observe(done.queued_time)
+                h["request_prefill_time_seconds"].observe(done.prefill_time)
+                h["request_decode_time_seconds"].observe(done.decode_time)
+                h["request_inference_time_seconds"].observe(done.inference_time)
+            h["request_time_per_output_token_seconds"].observe(done.mean_time_per_output_token)
+            h["request_prompt_tokens"].observe(done.num_prompt_tokens)
+            h["request_generation_tokens"].observe(done.num_generation_tokens)
+            h["request_num_preemptions"].observe(done.num_preemptions)
+            if done.max_tokens_param:
+                h["request_params_max_tokens"].observe(done.max_tokens_param)
 
     def metrics(self) -> list[Metric]:
         e, lbl = self.engine, self.labels
@@ -104,13 +155,10 @@ class MetricsCollector(StatLoggerBase):
             Counter(PREFIX + "prefix_cache_queries", dict(lbl), e.prefix_cache_queries),
             Counter(PREFIX + "prefix_cache_hits", dict(lbl), e.prefix_cache_hits),
             Counter(PREFIX + "prompt_tokens", dict(lbl), self.prompt_tokens),
+            Counter(PREFIX + "prompt_tokens_cached", dict(lbl), self.cached_prompt_tokens),
             Counter(PREFIX + "generation_tokens", dict(lbl), self.generation_tokens),
         ]
         out += [Counter(PREFIX + "request_success", {**lbl, "finished_reason": reason}, count)
                 for reason, count in self.finished.items()]
-        out += [
-            self.ttft.as_metric(PREFIX + "time_to_first_token_seconds", dict(lbl)),
-            self.itl.as_metric(PREFIX + "inter_token_latency_seconds", dict(lbl)),
-            self.e2e.as_metric(PREFIX + "e2e_request_latency_seconds", dict(lbl)),
-        ]
+        out += [dist.as_metric(PREFIX + name, dict(lbl)) for name, dist in self.histograms.items()]
         return out
