@@ -60,7 +60,9 @@ def engine_kwargs(device, monkeypatch):
                         lambda self, cfg: "pagedlm.backends.cuda.model_runner:CudaModelRunner")
     monkeypatch.setattr(CudaModelRunner, "emulate_graphs", True)
     # few graph sizes: every emulated capture is a forward pass through the slow interpreter
-    return {"device": "cpu", "attention_backend": "triton", "num_gpu_blocks_override": 64, "max_num_seqs": 8}
+    # (a 64-token budget: one mixed-batch graph)
+    return {"device": "cpu", "attention_backend": "triton", "num_gpu_blocks_override": 64, "max_num_seqs": 8,
+            "max_num_batched_tokens": 64}
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +93,7 @@ def test_greedy_matches_hf_fp32(arch, mode, tiny_checkpoints, references, engine
     assert type(runner).__name__ == "CudaModelRunner" and runner.attn_backend.name == "triton"
     # one persistent block-table buffer per KV-cache group (gemma3: full and sliding)
     assert len(runner.block_tables) == (2 if arch == "gemma3" else 1)
-    assert bool(runner._graphs) == (mode != "eager")
+    assert bool(runner._graphs) == bool(runner._mixed_graphs) == (mode != "eager")
     forgiven = assert_greedy_matches_hf(tiny_checkpoints[arch], ps, MAX_NEW, llm=llm, reference=refs[arch])
     core = llm.llm_engine.core
     if mode.endswith("preemption"):
@@ -160,9 +162,43 @@ def test_graph_padding_and_capture_sizes(tiny_checkpoints, engine_kwargs):
     assert common.max_query_len == 5 and common.decode_order is None
     assert common.slot_mapping.tolist() == [-1] * 7
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    replays = count_mixed_replays(runner)
     three = llm.generate([{"prompt_token_ids": p} for p in prompts()[:3]], params, use_tqdm=False)
     one = llm.generate([{"prompt_token_ids": prompts()[1]}], params, use_tqdm=False)
     assert list(three[1].outputs[0].token_ids) == list(one[0].outputs[0].token_ids)
+    assert replays[64] >= 2  # both prefills ran through the mixed-batch graph
+
+
+def count_mixed_replays(runner) -> dict[int, int]:
+    counts = dict.fromkeys(runner._mixed_graphs, 0)
+    for size, (replay, out) in list(runner._mixed_graphs.items()):
+        def counted(replay=replay, size=size):
+            counts[size] += 1
+            replay()
+        runner._mixed_graphs[size] = (counted, out)
+    return counts
+
+
+def test_mixed_graph_sizes_and_padding(tiny_checkpoints, engine_kwargs):
+    """Mixed-batch graphs: token counts padded up to the next captured size, requests to
+    max_num_seqs; padded tokens store nothing and belong to no request, padded requests are
+    empty, and the metadata never picks the decode-only kernels."""
+    from pagedlm.backends.cuda.model_runner import default_mixed_capture_sizes
+    from pagedlm.core import LLM
+
+    assert default_mixed_capture_sizes(8192)[:4] == [256, 512, 768, 1024] and default_mixed_capture_sizes(8192)[-1] == 8192
+    assert default_mixed_capture_sizes(100) == [100]
+    assert default_mixed_capture_sizes(1 << 20)[-1] == 16384
+    sizes = default_mixed_capture_sizes(16384)
+    assert all(b <= 1.5 * a for a, b in zip(sizes, sizes[1:]))
+    llm = LLM(model=tiny_checkpoints["qwen3"], dtype="float32", **engine_kwargs)
+    runner = llm.llm_engine.core.executor.worker.model_runner
+    assert sorted(runner._mixed_graphs) == [64]
+    common = runner._stage(None, 9, 4, mixed=True)
+    assert common.query_start_loc.tolist() == [0, 0, 0, 0, 0] and common.seq_lens.tolist() == [0] * 4
+    assert common.slot_mapping.tolist() == [-1] * 9
+    assert common.max_query_len >= 2 and common.decode_order is None
+    assert runner.metadata_builder.build(common).num_splits == 1
 
 
 def test_cpu_backend_on_cuda_is_refused_by_name(tiny_checkpoints, device):
@@ -186,3 +222,25 @@ def test_peak_reset_forgets_an_earlier_allocation(device):
     assert torch.cuda.max_memory_allocated(device) >= 1 << 30
     CudaPlatform().reset_peak_memory_stats(device)
     assert torch.cuda.max_memory_allocated(device) < 1 << 30
+
+
+def test_prompt_embeds_give_the_ids_tokens(tiny_checkpoints, engine_kwargs):
+    """Prompts given as the model's own input embeddings give the tokens of their ids through
+    the CUDA runner (those steps eager, the rest replayed), in a batch mixed with id prompts."""
+    import torch
+
+    from pagedlm.core import LLM, SamplingParams
+
+    llm = LLM(model=tiny_checkpoints["qwen3"], dtype="float32", enable_prompt_embeds=True, **engine_kwargs)
+    ps = prompts()[:3]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    by_ids = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+
+    def embed(model):
+        device = next(model.parameters()).device
+        return [model.get_input_embeddings(torch.tensor(p, device=device)).cpu() for p in ps]
+
+    embeds = llm.apply_model(embed)[0]
+    outs = llm.generate([{"prompt_embeds": embeds[0]}, {"prompt_token_ids": ps[1]}, {"prompt_embeds": embeds[2]}],
+                        params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [list(o.outputs[0].token_ids) for o in by_ids]

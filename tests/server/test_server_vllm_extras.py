@@ -5,8 +5,13 @@ logprobs=-1 (the whole vocabulary, within --max-logprobs), and the fields vLLM a
 
 from __future__ import annotations
 
+import base64
+import io
+import json
+
 import httpx
 import pytest
+import torch
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -143,11 +148,60 @@ def test_batch_chat_completions(server, client, openai_schemas):
     assert bad_role.status_code == 400 and bad_role.json()["error"]["param"] == "messages[0][0].role", bad_role.text
 
 
-def test_prompt_embeds_is_refused_by_name(server):
-    r = post(server, "/v1/completions", {"prompt_embeds": "AAAA", "max_tokens": 2})
+def _b64(obj) -> str:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_prompt_embeds_on_completions(server, flagged_server, tiny_llama):
+    """vLLM's prompt_embeds: the model's own input embeddings of some ids give those ids' text,
+    alone, beside text prompts (embeddings first), streamed, and through the openai client."""
+    from openai import OpenAI
+    from transformers import AutoModelForCausalLM
+
+    ids = tokenize(flagged_server, "The quick brown fox")
+    with torch.no_grad():
+        embeds = AutoModelForCausalLM.from_pretrained(tiny_llama).get_input_embeddings()(torch.tensor(ids))
+    greedy = {"max_tokens": 6, "temperature": 0}
+    by_ids = post(flagged_server, "/v1/completions", {"prompt": ids, **greedy}).json()
+    r = post(flagged_server, "/v1/completions", {"prompt_embeds": _b64(embeds), **greedy})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == by_ids["choices"][0]["text"]
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    both = post(flagged_server, "/v1/completions", {"prompt": ids, "prompt_embeds": [_b64(embeds), _b64(embeds[None])],
+                                                    "return_token_ids": True, **greedy}).json()
+    assert [c["index"] for c in both["choices"]] == [0, 1, 2] and both["usage"]["prompt_tokens"] == 3 * len(ids)
+    assert {c["text"] for c in both["choices"]} == {by_ids["choices"][0]["text"]}
+    assert both["choices"][0]["prompt_token_ids"] is None and both["choices"][2]["prompt_token_ids"] == ids
+    streamed = post(flagged_server, "/v1/completions", {"prompt_embeds": _b64(embeds), "stream": True, **greedy})
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == by_ids["choices"][0]["text"]
+    client = OpenAI(base_url=flagged_server.url + "/v1", api_key=flagged_server.api_key)
+    out = client.completions.create(model=MODEL, prompt=None, extra_body={"prompt_embeds": _b64(embeds)}, **greedy)
+    assert out.choices[0].text == by_ids["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("payload, needle", [
+    ("not base64!", "not valid base64"),
+    (base64.b64encode(b"garbage").decode(), "not a tensor saved with torch.save"),
+    (_b64({"a": 1}), "holds a dict"),
+    (_b64(torch.zeros(3, 5)), "hidden_size"),
+    (_b64(torch.zeros(3, 64, dtype=torch.int64)), "dtype torch.int64"),
+    (_b64(torch.zeros(3, 64).to_sparse()), "only dense tensors"),
+])
+def test_bad_prompt_embeds_are_400s_naming_them(flagged_server, payload, needle):
+    r = post(flagged_server, "/v1/completions", {"prompt_embeds": [payload], "max_tokens": 2})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error["param"] == "prompt_embeds" and "not supported" in error["message"]
+    assert error["param"] == "prompt_embeds[0]" and needle in error["message"], error
+
+
+def test_prompt_embeds_need_the_flag(server):
+    r = post(server, "/v1/completions", {"prompt_embeds": _b64(torch.zeros(2, 64)), "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "prompt_embeds" and "--enable-prompt-embeds" in error["message"]
     r = post(server, "/v1/completions", {"max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
 

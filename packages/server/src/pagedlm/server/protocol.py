@@ -118,13 +118,14 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
-    # NOTE: optional in the schema only so that a request with vLLM's prompt_embeds instead gets
-    # its own message; a request without either is a 400 naming prompt.
+    # NOTE: optional: a request may give vLLM's prompt_embeds instead (or both); one without
+    # either is a 400 naming prompt.
     prompt: Text | list[Text] | list[int] | list[list[int]] | None = Field(
         None, description="a string, a list of strings, a list of token ids or a list of lists of token ids"
     )
     prompt_embeds: Text | list[Text] | None = Field(
-        None, description="vLLM's base64-encoded prompt embeddings: refused (not supported by this server)")
+        None, description="vLLM's prompt embeddings: base64 of a [num_tokens, hidden_size] tensor written by "
+                          "torch.save (needs --enable-prompt-embeds); their prompts come before prompt's")
     max_tokens: int | None = Field(None, ge=1, le=INT64_MAX, description="default 16")
     logprobs: int | None = Field(None, ge=-1, description="-1: the whole vocabulary (within --max-logprobs)")
     echo: bool | None = None

@@ -18,6 +18,7 @@ from pagedlm.core import EngineDeadError
 from pagedlm.core.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
 from pagedlm.core.sampling_params import SamplingParams
 from pagedlm.server.errors import APIError, error_response, logger
+from pagedlm.server.prompt_embeds import decode_prompt_embeds, prompt_embeds_items
 from pagedlm.server.protocol import CompletionRequest
 from pagedlm.server.serving_common import (
     SSE_DONE,
@@ -60,11 +61,27 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 
 class _Prompt:
-    """One tokenized prompt: its text (decoded for token-id prompts) and token ids."""
+    """One tokenized prompt: its text (decoded for token-id prompts) and token ids; or, for a
+    prompt given as embeddings, no text, no ids and its ``[T, hidden]`` tensor."""
 
-    def __init__(self, text: str, token_ids: list[int]) -> None:
+    def __init__(self, text: str, token_ids: list[int], embeds: Any = None) -> None:
         self.text = text
         self.token_ids = token_ids
+        self.embeds = embeds
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) if self.embeds is None else int(self.embeds.shape[0])
+
+    def engine_input(self) -> dict[str, Any]:
+        if self.embeds is not None:
+            return {"prompt_embeds": self.embeds}
+        return {"prompt": self.text, "prompt_token_ids": self.token_ids}
+
+
+def _ids(out: RequestOutput) -> list[int] | None:
+    # None for a prompt given as embeddings (it has no ids), as vLLM returns it
+    return list(out.prompt_token_ids) if out.prompt_token_ids is not None else None
 
 
 def _where(req: CompletionRequest, i: int) -> str:
@@ -73,10 +90,26 @@ def _where(req: CompletionRequest, i: int) -> str:
 
 def _prepare(state: ServerState, req: CompletionRequest, params: SamplingParams,
              raw_prompts: list[str | list[int]]) -> list[_Prompt]:
-    """Tokenize and validate every prompt (slow for long prompts: run it off the event loop)."""
+    """Decode the embeddings prompts, tokenize the others, validate every one (slow for long
+    prompts: run it off the event loop)."""
     engine = state.engine
     add_special = True if req.add_special_tokens is None else req.add_special_tokens
     prompts = []
+    if req.prompt_embeds is not None:
+        if not engine.vllm_config.model_config.enable_prompt_embeds:
+            raise APIError("prompt_embeds needs the server started with --enable-prompt-embeds", param="prompt_embeds")
+        for where, item in prompt_embeds_items(req.prompt_embeds):
+            tensor = decode_prompt_embeds(item, where)
+            if req.truncate_prompt_tokens is not None and tensor.dim() >= 2:
+                kept = state.truncate(req, list(range(tensor.shape[-2])))  # the rows to keep
+                tensor = tensor[..., kept[0] : kept[-1] + 1, :] if kept else tensor[..., :0, :]
+            try:
+                prompts.append(_Prompt("", [], engine.validate_prompt_embeds(tensor, params)))
+            except ValueError as e:
+                error = bad_request(e, prompt_param=where)
+                if error.param in ("prompt", "prompt_embeds"):
+                    error.param = where  # this item's, not the request's
+                raise error from None
     for i, raw in enumerate(raw_prompts):
         where = _where(req, i)
         try:
@@ -100,13 +133,8 @@ def _prepare(state: ServerState, req: CompletionRequest, params: SamplingParams,
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Any:
     check_model(state, req.model)
     check_engine(state)
-    if req.prompt_embeds is not None:
-        # NOTE: the engine takes no prompt embeddings (vLLM's --enable-prompt-embeds) yet.
-        raise APIError("prompt_embeds is not supported by this server: its engine takes token prompts only "
-                       "(vLLM's --enable-prompt-embeds has no counterpart here); send prompt instead",
-                       param="prompt_embeds")
-    if req.prompt is None:
-        raise APIError("prompt is required", param="prompt")
+    if req.prompt is None and req.prompt_embeds is None:
+        raise APIError("prompt is required (or prompt_embeds)", param="prompt")
     if req.suffix is not None:
         raise APIError("suffix is not supported by this server: leave it null", param="suffix")
     n = req.n or 1
@@ -126,8 +154,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         num_prompt_logprobs = num_logprobs
     params = make_sampling_params(req, max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, logprobs=num_logprobs,
                                   prompt_logprobs=num_prompt_logprobs, stream=stream)
-    raw_prompts = _prompts(req)
-    check_sequences(state, len(raw_prompts), n)
+    raw_prompts = _prompts(req) if req.prompt is not None else []
+    num_embeds = len(prompt_embeds_items(req.prompt_embeds)) if req.prompt_embeds is not None else 0
+    check_sequences(state, num_embeds + len(raw_prompts), n)
     for i, text in enumerate(raw_prompts):
         if isinstance(text, str):
             check_text_length(state, len(text), _where(req, i))
@@ -135,7 +164,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     request_id = random_id("cmpl")
     created = int(time.time())
     gens = [
-        state.engine.generate({"prompt": p.text, "prompt_token_ids": p.token_ids}, params, f"{request_id}-{i}")
+        state.engine.generate(p.engine_input(), params, f"{request_id}-{i}")
         for i, p in enumerate(prompts)
     ]
     builder = _Builder(state, req, prompts, n, echo, request_id, created, num_logprobs)
@@ -223,7 +252,7 @@ class _Builder:
         for i, (out, prompt) in enumerate(zip(outputs, self.prompts)):
             if out.error:
                 raise APIError(f"generation failed: {out.error}", status=500)
-            num_prompt += len(out.prompt_token_ids)
+            num_prompt += prompt.num_tokens
             num_cached += out.num_cached_tokens
             for c in out.outputs:
                 num_generated += len(c.token_ids)
@@ -239,7 +268,7 @@ class _Builder:
                                 "stop_reason": c.stop_reason,
                                 "prompt_logprobs": (prompt_logprobs_body(self.tokenizer, out.prompt_logprobs)
                                                     if self.req.prompt_logprobs is not None else None),
-                                "prompt_token_ids": list(out.prompt_token_ids) if self.return_ids else None,
+                                "prompt_token_ids": _ids(out) if self.return_ids else None,
                                 "token_ids": list(c.token_ids) if self.return_ids else None})
         body = self._envelope(sorted(choices, key=lambda c: c["index"]))
         body["usage"] = self.state.usage(num_prompt, num_generated, num_cached)
@@ -285,7 +314,7 @@ class _Builder:
                 if first:
                     started.add(index)
                     if c.index == 0:
-                        num_prompt += len(out.prompt_token_ids)
+                        num_prompt += prompt.num_tokens
                     generated[index] = 0
                     offsets[index] = 0 if self.echo else len(prompt.text)
                     if self.echo:
@@ -303,13 +332,13 @@ class _Builder:
                 prompt_ids = None
                 if self.return_ids and index not in ids_sent:
                     ids_sent.add(index)
-                    prompt_ids = list(out.prompt_token_ids)
+                    prompt_ids = _ids(out)
                 # One choice per chunk, as OpenAI and vLLM send them: clients read choices[0].
                 body = self._envelope([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
                                         "stop_reason": c.stop_reason, "prompt_token_ids": prompt_ids,
                                         "token_ids": list(c.token_ids) if self.return_ids else None}])
                 if continuous_usage:  # vLLM's: this choice's tokens so far, with its prompt's
-                    body["usage"] = usage(len(out.prompt_token_ids), generated[index])
+                    body["usage"] = usage(prompt.num_tokens, generated[index])
                 yield sse(body)
         if include_usage:
             body = self._envelope([])

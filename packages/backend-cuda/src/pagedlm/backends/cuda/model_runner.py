@@ -5,8 +5,15 @@ table) into buffers that live as long as the runner; nothing else is allocated f
 Decode-only steps (every request has one new token) of at most ``max_capture_size`` requests
 replay a CUDA graph captured at start-up for the next larger captured batch size: the padded
 requests have one token each, a slot of -1 (their K/V are not stored) and a context of one
-token, so their rows are computed and ignored. Everything else (prefill chunks, mixed batches,
-larger batches) runs eagerly through the same buffers. ``enforce_eager=True`` turns graphs off.
+token, so their rows are computed and ignored. Every other step (prefill chunks, mixed batches,
+larger decode batches) of at most ``max_mixed_capture_size`` tokens replays a *mixed* graph
+captured for the next larger token count, with the request count padded to ``max_num_seqs``
+(when the attention backend declares ``supports_mixed_graphs``): padded tokens have a slot of -1
+and belong to no request, padded requests have no query tokens, so attention skips both and
+their rows are garbage that nothing reads. An eager forward of a 0.6B model costs 10-20 ms of
+host time (hundreds of Python-level launches), several times its device time; a replay costs
+one launch. Steps over that size run eagerly through the same buffers. ``enforce_eager=True``
+turns graphs off.
 
 Buffer packing (why: one copy, and fixed addresses per padded size for graph replay): one int64
 buffer holds the token data ``input_ids | positions | slot_mapping`` (one slot mapping per
@@ -23,6 +30,7 @@ the middle of a run.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable
 
@@ -39,6 +47,7 @@ from pagedlm.core.sample import build_sampling_metadata
 from pagedlm.core.sampling_params import SamplingParams
 from pagedlm.core.worker.input_batch import StepInputs
 from pagedlm.core.worker.model_runner import ModelRunner
+from pagedlm.core.worker.prompt_embeds import embedding_body, gather_step_prompt_embeds, input_embeddings_override
 
 logger = init_logger(__name__)
 
@@ -57,6 +66,15 @@ def _req_stride(b: int) -> int:
     return -(-(b + 1) // 16) * 16  # int32 elements: 64 bytes
 
 
+def default_mixed_capture_sizes(max_num_tokens: int) -> list[int]:
+    """Token counts of the mixed-batch graphs: 256, then steps of at most 1.5x up to 16384
+    (padding wastes at most a third of a step's rows), capped at ``max_num_tokens`` (always
+    included when it is at most 16384; larger steps run eagerly)."""
+    sizes = (256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+    top = min(max_num_tokens, sizes[-1])
+    return sorted({s for s in sizes if s < top} | {top})
+
+
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 8 up to 256 (padding wastes < 8 rows), then every
     multiple of 32 up to 512, capped at ``max_num_seqs`` (which is always included)."""
@@ -65,6 +83,7 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class CudaModelRunner(ModelRunner):
+    supports_prompt_embeds = True
     #: run the graph bookkeeping on a non-CUDA device with a stand-in "graph" that re-runs the
     #: forward (for CPU tests of padding and buffers under TRITON_INTERPRET=1)
     emulate_graphs: bool = False
@@ -96,6 +115,11 @@ class CudaModelRunner(ModelRunner):
         self._pad_to = np.zeros(self.max_capture_size + 1, dtype=np.int64)
         for size in reversed(self.capture_sizes):
             self._pad_to[: size + 1] = size
+        mixed = self.use_graphs and self.attn_backend.supports_mixed_graphs
+        self.mixed_capture_sizes = default_mixed_capture_sizes(self.max_num_tokens) if mixed else []
+        self.max_mixed_capture_size = self.mixed_capture_sizes[-1] if self.mixed_capture_sizes else 0
+        #: padded token count -> (replay, (hidden states,)) of a mixed-batch graph
+        self._mixed_graphs: dict[int, tuple[Callable[[], None], tuple[torch.Tensor, ...]]] = {}
         self.capture_time_s = 0.0
 
     def _allocate_step_buffers(self) -> None:
@@ -143,11 +167,15 @@ class CudaModelRunner(ModelRunner):
             self.compile_kernels()
 
     # -- inputs -----------------------------------------------------------------------------
-    def _stage(self, step: StepInputs | None, num_tokens: int, num_reqs: int) -> CommonAttentionMetadata:
+    def _stage(self, step: StepInputs | None, num_tokens: int, num_reqs: int, *,
+               mixed: bool = False) -> CommonAttentionMetadata:
         """Write one step's inputs (``num_tokens``/``num_reqs`` after padding) into the buffers.
 
         ``step=None`` stages an all-padding batch: a decode batch when ``num_tokens ==
-        num_reqs`` (graph capture), else one whose first request has the extra tokens."""
+        num_reqs`` (graph capture), else one whose first request has the extra tokens.
+        ``mixed=True`` pads for a mixed-batch graph instead: padded tokens belong to no request
+        and padded requests have no tokens and no context, and the metadata never selects the
+        decode-only kernels (the graph must hold the variant that serves every batch)."""
         step_host, bt_hosts = self._staging[self._num_staged % 2]
         self._num_staged += 1
         t = step_host.numpy()
@@ -169,7 +197,14 @@ class CudaModelRunner(ModelRunner):
             r[rs : rs + real_b] = step.seq_lens
             num_fed = len(step.fed_token_indices)
         surplus = 0
-        if num_tokens > real_t:  # padded requests: one token each, nothing stored, context 1
+        if mixed:  # padded tokens: nothing stored, in no request; padded requests: empty
+            t[real_t:num_tokens] = 0
+            t[ts + real_t : ts + num_tokens] = 0
+            for g in range(num_groups):
+                t[(2 + g) * ts + real_t : (2 + g) * ts + num_tokens] = -1
+            r[real_b + 1 : num_reqs + 1] = real_t
+            r[rs + real_b : rs + num_reqs] = 0
+        elif num_tokens > real_t:  # padded requests: one token each, nothing stored, context 1
             t[real_t:num_tokens] = 0
             t[ts + real_t : ts + num_tokens] = 0
             for g in range(num_groups):
@@ -180,7 +215,7 @@ class CudaModelRunner(ModelRunner):
             r[rs + real_b : rs + num_reqs] = 1
             if surplus:
                 r[rs] += surplus
-        decode_only = num_tokens == num_reqs
+        decode_only = num_tokens == num_reqs and not mixed
         if decode_only:  # longest context first, padding (context 1) last
             order = r[2 * rs : 2 * rs + num_reqs]
             if real_b:
@@ -214,6 +249,8 @@ class CudaModelRunner(ModelRunner):
                     block_table[:real_b, :nb].copy_(staged, non_blocking=True)
             max_seq_len = int(step.seq_lens.max())
             max_query_len = int(step.num_scheduled.max())
+        if mixed:
+            max_query_len = max(max_query_len, 2)
         return CommonAttentionMetadata(
             query_start_loc=req_buf[: num_reqs + 1],
             query_start_loc_cpu=req_host[: num_reqs + 1],
@@ -246,11 +283,16 @@ class CudaModelRunner(ModelRunner):
 
     # -- the forward pass (core hook) -------------------------------------------------------
     def run_model(self, step: StepInputs) -> torch.Tensor:
-        """``[T, hidden]``: a graph replay for small decode-only steps, else an eager forward."""
+        """``[T, hidden]``: a graph replay (decode-only steps, then mixed ones), else an eager
+        forward. Steps that compute prompt embeddings run eagerly: their embedding lookup is
+        overridden for the forward (core's ``worker/prompt_embeds.py``), which a graph cannot."""
         assert self.model is not None
         num_tokens, num_reqs = len(step.input_ids), len(step.req_ids)
         self._graph_logits = None
-        if self._graphs and num_tokens == num_reqs and num_reqs <= self.max_capture_size:
+        embeds = None
+        if self.vllm_config.model_config.enable_prompt_embeds:
+            embeds = gather_step_prompt_embeds(step, self.input_batch.requests, self.device, self.dtype)
+        if embeds is None and self._graphs and num_tokens == num_reqs and num_reqs <= self.max_capture_size:
             padded = int(self._pad_to[num_reqs])
             self._stage(step, padded, padded)
             self.feed_sampled_tokens(self._step_buf[:num_tokens], step)
@@ -258,11 +300,23 @@ class CudaModelRunner(ModelRunner):
             replay()
             self._graph_logits = logits[:num_reqs]
             return hidden[:num_tokens]
+        if embeds is None and self._mixed_graphs and num_tokens <= self.max_mixed_capture_size:
+            padded = self.mixed_capture_sizes[bisect.bisect_left(self.mixed_capture_sizes, num_tokens)]
+            self._stage(step, padded, self.max_num_reqs, mixed=True)
+            self.feed_sampled_tokens(self._step_buf[:num_tokens], step)
+            replay, (hidden,) = self._mixed_graphs[padded]
+            replay()
+            return hidden[:num_tokens]
         metadata = self._metadata(self._stage(step, num_tokens, num_reqs))
         input_ids, positions = self._ids_positions(num_tokens)
         self.feed_sampled_tokens(input_ids, step)
         with set_forward_context(metadata):
-            return self.model(input_ids, positions)
+            if embeds is None:
+                return self.model(input_ids, positions)
+            body = embedding_body(self.model)
+            assert body is not None
+            with input_embeddings_override(body, *embeds):
+                return self.model(input_ids, positions)
 
     def feed_sampled_tokens(self, input_ids: torch.Tensor, step: StepInputs) -> None:
         """As the base runner's, with the indices already on the device (staged with the step)."""
@@ -404,11 +458,21 @@ class CudaModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def capture_model(self) -> None:
-        """Capture one decode graph per size in ``capture_sizes``, largest first (later, smaller
-        graphs then reuse the first one's memory pool)."""
+        """Capture one mixed-batch graph per token count in ``mixed_capture_sizes``, then one
+        decode graph per size in ``capture_sizes``, largest first (later, smaller graphs then
+        reuse the first one's memory pool)."""
         assert self.model is not None
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        for size in reversed(self.mixed_capture_sizes):
+            metadata = self._metadata(self._stage(None, size, self.max_num_reqs, mixed=True))
+            input_ids, positions = self._ids_positions(size)
+
+            def mixed_forward(metadata=metadata, input_ids=input_ids, positions=positions) -> tuple[torch.Tensor, ...]:
+                with set_forward_context(metadata):
+                    return (self.model(input_ids, positions),)  # type: ignore[misc]
+
+            self._mixed_graphs[size] = self._capture(mixed_forward, pool)
         for size in reversed(self.capture_sizes):
             metadata = self._metadata(self._stage(None, size, size))
             input_ids, positions = self._ids_positions(size)
@@ -424,8 +488,9 @@ class CudaModelRunner(ModelRunner):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.capture_time_s = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs for decode batch sizes %d..%d in %.2fs", len(self._graphs),
-                    self.capture_sizes[0], self.capture_sizes[-1], self.capture_time_s)
+        logger.info("captured %d CUDA graphs for decode batch sizes %d..%d and %d for mixed batches of "
+                    "up to %d tokens in %.2fs", len(self._graphs), self.capture_sizes[0], self.capture_sizes[-1],
+                    len(self._mixed_graphs), self.max_mixed_capture_size, self.capture_time_s)
 
     def _capture(self, forward: Callable[[], tuple[torch.Tensor, ...]],
                  pool) -> tuple[Callable[[], None], tuple[torch.Tensor, ...]]:

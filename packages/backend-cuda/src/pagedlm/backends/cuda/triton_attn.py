@@ -186,6 +186,9 @@ class TritonAttentionBackend(AttentionBackend):
     #: the CPU too under Triton's interpreter (kernel tests without a GPU)
     supported_devices = ("cuda", "cpu") if INTERPRET else ("cuda",)
     supports_graphs = True
+    #: a mixed launch's grid depends only on the padded token and request counts, and a padded
+    #: request (no query tokens) or token (slot -1, in no request) does nothing
+    supports_mixed_graphs = True
     #: float8_e4m3fn with per-layer scales: written by kernels/kv_cache_fp8.py, read rescaled
     supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3")
 

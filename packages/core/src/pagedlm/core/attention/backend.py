@@ -138,6 +138,11 @@ class AttentionBackend(ABC):
     #: whether a step's launches may be captured in a device graph and replayed (no host syncs,
     #: fixed buffers)
     supports_graphs: ClassVar[bool] = False
+    #: whether a graph captured for one mixed batch (prefills, chunks and decodes; token and
+    #: request counts padded) replays correctly for any other batch of at most its size: the
+    #: kernels take every per-step size from device tensors, none from host ints captured in
+    #: the launch (vLLM's "full CUDA graph for any batch" support)
+    supports_mixed_graphs: ClassVar[bool] = False
 
     @staticmethod
     @abstractmethod

@@ -172,6 +172,13 @@ class AsyncLLM:
     def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         self.processor.validate(token_ids, params)
 
+    def validate_prompt_embeds(self, embeds: Any, params: SamplingParams) -> Any:
+        """The ``[T, hidden]`` tensor an ``{"prompt_embeds": embeds}`` prompt would queue (CPU, the
+        model dtype); raises ``ValueError`` as :meth:`generate` would."""
+        tensor = self.processor._prompt_embeds({"prompt_embeds": embeds}, params)
+        self.processor.validate([0] * int(tensor.shape[0]), params)
+        return tensor
+
     # -- requests ----------------------------------------------------------------------------
     async def generate(
         self,
