@@ -186,7 +186,8 @@ def test_mixed_graph_sizes_and_padding(tiny_checkpoints, engine_kwargs):
     from pagedlm.backends.cuda.model_runner import default_mixed_capture_sizes
     from pagedlm.core import LLM
 
-    assert default_mixed_capture_sizes(8192)[:4] == [256, 512, 768, 1024] and default_mixed_capture_sizes(8192)[-1] == 8192
+    assert default_mixed_capture_sizes(8192)[:4] == [256, 512, 768, 1024]
+    assert default_mixed_capture_sizes(8192)[-1] == 8192
     assert default_mixed_capture_sizes(100) == [100]
     assert default_mixed_capture_sizes(1 << 20)[-1] == 16384
     sizes = default_mixed_capture_sizes(16384)
