@@ -166,7 +166,7 @@ def test_graph_padding_and_capture_sizes(tiny_checkpoints, engine_kwargs):
     three = llm.generate([{"prompt_token_ids": p} for p in prompts()[:3]], params, use_tqdm=False)
     one = llm.generate([{"prompt_token_ids": prompts()[1]}], params, use_tqdm=False)
     assert list(three[1].outputs[0].token_ids) == list(one[0].outputs[0].token_ids)
-    assert replays[64] >= 2  # both prefills ran through the mixed-batch graph
+    assert sum(replays.values()) >= 2  # both prefills ran through a mixed-batch graph
 
 
 def count_mixed_replays(runner) -> dict[int, int]:
@@ -191,10 +191,11 @@ def test_mixed_graph_sizes_and_padding(tiny_checkpoints, engine_kwargs):
     assert default_mixed_capture_sizes(100) == [100]
     assert default_mixed_capture_sizes(1 << 20)[-1] == 16384
     sizes = default_mixed_capture_sizes(16384)
-    assert all(b <= 1.5 * a for a, b in zip(sizes, sizes[1:]))
+    assert all(b <= 1.5 * a for a, b in zip(sizes[1:], sizes[2:]))
     llm = LLM(model=tiny_checkpoints["qwen3"], dtype="float32", **engine_kwargs)
     runner = llm.llm_engine.core.executor.worker.model_runner
-    assert sorted(runner._mixed_graphs) == [64]
+    assert sorted(runner._mixed_graphs) == default_mixed_capture_sizes(runner.max_num_tokens)
+    assert runner.max_num_tokens == (64 if INTERPRET else 16384)
     common = runner._stage(None, 9, 4, mixed=True)
     assert common.query_start_loc.tolist() == [0, 0, 0, 0, 0] and common.seq_lens.tolist() == [0] * 4
     assert common.slot_mapping.tolist() == [-1] * 9

@@ -67,9 +67,9 @@ def _req_stride(b: int) -> int:
 
 
 def default_mixed_capture_sizes(max_num_tokens: int) -> list[int]:
-    """Token counts of the mixed-batch graphs: 256, then steps of at most 1.5x up to 16384
-    (padding wastes at most a third of a step's rows), capped at ``max_num_tokens`` (always
-    included when it is at most 16384; larger steps run eagerly)."""
+    """Token counts of the mixed-batch graphs: 256, 512, then steps of at most 1.5x up to 16384
+    (above 512 tokens padding wastes at most a third of a step's rows), capped at
+    ``max_num_tokens`` (always included when it is at most 16384; larger steps run eagerly)."""
     sizes = (256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
     top = min(max_num_tokens, sizes[-1])
     return sorted({s for s in sizes if s < top} | {top})

@@ -70,6 +70,10 @@ class CudaPlatform(Platform):
         if not flash_attn_importable():
             raise ValueError("attention_backend='flash_attn' needs the flash_attn package (pip install flash-attn)")
 
+    def init_device_runtime(self) -> None:
+        # the driver's and runtime's start in a fresh process: 1-4 s measured on the H200 machine
+        torch.cuda.init()
+
     def set_device(self, local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import threading
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from pagedlm.core.config import (
     SchedulerConfig,
     VllmConfig,
 )
+from pagedlm.core.platforms import resolve_platform
 
 _HELP = {
     "model": "local HF model directory (config.json, *.safetensors, tokenizer.json) or a .gguf file; "
@@ -69,6 +71,13 @@ _HELP = {
 
 #: the values of vLLM's options that mean what pagedlm does anyway
 _ACCEPTED = {"tokenizer_mode": ("auto", "hf"), "config_format": ("auto", "hf")}
+
+
+def _init_device_runtime(device: str) -> None:
+    try:
+        resolve_platform(device).init_device_runtime()
+    except Exception:  # noqa: BLE001 - the config's own platform resolution reports it
+        pass
 
 
 @dataclass
@@ -121,6 +130,17 @@ class EngineArgs:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported; allowed: {', '.join(allowed)}")
         envs.check_vllm_environment()
         profiler = self.profiler_config if self.profiler_config is not None else envs.vllm_profiler_config()
+        # NOTE: the device runtime's start needs nothing from the model config: it overlaps with
+        # the config's loading (transformers' import dominates that) and is joined before return.
+        device_init = threading.Thread(target=_init_device_runtime, args=(self.device,),
+                                       name="pagedlm-device-init", daemon=True)
+        device_init.start()
+        try:
+            return self._create_vllm_config(profiler)
+        finally:
+            device_init.join()
+
+    def _create_vllm_config(self, profiler: Any) -> VllmConfig:
         return VllmConfig(
             profiler_config=ProfilerConfig.from_any(profiler),
             model_config=ModelConfig(

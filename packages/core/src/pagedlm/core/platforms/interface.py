@@ -104,6 +104,10 @@ class Platform:
         """Bytes the framework's allocator holds for tensors on ``device`` now; None if unknown."""
         return None
 
+    def init_device_runtime(self) -> None:
+        """Initialise the device runtime of this process now (the engine calls it on a thread
+        while the model config loads, so the two overlap). A no-op where nothing is slow."""
+
     def set_device(self, local_rank: int) -> torch.device:
         """Select the device of a local rank and return it."""
         return torch.device(self.device_type)
