@@ -177,3 +177,39 @@ def test_argmax_invariant_processors_skip_greedy_rows():
     md.logitsprocs = tracker.step_view(["a"], torch.device("cpu"))
     logits = torch.randn(1, VOCAB)
     assert Sampler()(logits, md).sampled_token_ids.item() == logits.argmax().item() and not calls
+
+
+def test_installed_entry_points_load_in_every_engine(monkeypatch, tiny_llama):
+    """vLLM's plugin group ``vllm.logits_processors``: an installed processor runs in every
+    engine without being named, once even when also configured; a broken one fails start-up."""
+    import importlib.metadata
+
+    from pagedlm.core import LLM, SamplingParams
+    from pagedlm.core.sample.logits_processor import load
+
+    real = importlib.metadata.entry_points
+
+    def installed(value: str):
+        def entry_points(group=None):
+            if group != "vllm.logits_processors":
+                return real(group=group)
+            return importlib.metadata.EntryPoints((importlib.metadata.EntryPoint("dummy", value, group),))
+        monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+        load._installed_entry_points.cache_clear()
+
+    name = "pagedlm.core.testing.logits_processors:DummyLogitsProcessor"
+    installed(name)
+    try:
+        assert load.installed_logits_processor_classes() == [DummyLogitsProcessor]
+        llm = LLM(model=tiny_llama, device="cpu", dtype="float32", logits_processors=[name])
+        assert llm.llm_engine.processor.logits_processor_classes == [DummyLogitsProcessor]
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, extra_args={"target_token": 77})
+        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)[0]
+        assert list(out.outputs[0].token_ids) == [77] * 4
+        llm.shutdown()
+        installed("nowhere.to.be:Found")
+        with pytest.raises(ValueError, match="vllm.logits_processors entry point dummy='nowhere.to.be:Found' cannot"):
+            load.installed_logits_processor_classes()
+    finally:
+        monkeypatch.undo()
+        load._installed_entry_points.cache_clear()

@@ -25,11 +25,11 @@ class Processor:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
-        from pagedlm.core.sample.logits_processor import resolve_logits_processor_classes
+        from pagedlm.core.sample.logits_processor import configured_logits_processor_classes
 
         # NOTE: resolved here too (the workers build them), so a bad name fails at start-up and
         # every request's parameters are checked by each processor's validate_params.
-        self.logits_processor_classes = resolve_logits_processor_classes(self.model_config.logits_processors)
+        self.logits_processor_classes = configured_logits_processor_classes(self.model_config)
 
     def tokenize_prompt(self, prompt: PromptType, *, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, prompt token ids)."""

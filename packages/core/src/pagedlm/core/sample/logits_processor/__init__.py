@@ -11,7 +11,12 @@ from pagedlm.core.sample.logits_processor.interface import (
     RemovedRequest,
     RequestLogitsProcessor,
 )
-from pagedlm.core.sample.logits_processor.load import build_logitsprocs, resolve_logits_processor_classes
+from pagedlm.core.sample.logits_processor.load import (
+    build_logitsprocs,
+    configured_logits_processor_classes,
+    installed_logits_processor_classes,
+    resolve_logits_processor_classes,
+)
 from pagedlm.core.sample.logits_processor.state import (
     AdapterLogitsProcessor,
     BatchUpdateBuilder,
@@ -35,4 +40,6 @@ __all__ = [
     "build_logitsprocs",
     "process_dict_updates",
     "resolve_logits_processor_classes",
+    "configured_logits_processor_classes",
+    "installed_logits_processor_classes",
 ]
