@@ -47,10 +47,15 @@ class _CompilePool(ThreadPoolExecutor):
     builds with the system's C compiler at the variant's first launch (0.1-0.4 s each, one after
     the other; a stub needs no device, and Triton keeps it on disk, so the launch finds it)."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.compiled: list[Any] = []
+
     def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]
         def compile_and_build_launcher():
             kernel = fn(*args, **kwargs)
             driver.active.launcher_cls(kernel.src, kernel.metadata)
+            self.compiled.append(kernel)
             return kernel
 
         return super().submit(compile_and_build_launcher)
@@ -84,4 +89,11 @@ def compile_only(max_workers: int | None = None) -> Iterator[CompileStats]:
             finally:
                 _COMPILE_ONLY.reset(token)
                 stats.num_variants = len(mode.raw_futures)
+    # NOTE: each variant's module is loaded onto the device here, not at its first launch: a
+    # first launch inside a CUDA-graph capture would load it there (the runner captures most
+    # graphs without a warm-up forward before them).
+    for kernel in pool.compiled:
+        init = getattr(kernel, "_init_handles", None)
+        if init is not None:
+            init()
     stats.seconds = time.perf_counter() - start
