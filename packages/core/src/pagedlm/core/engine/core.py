@@ -199,6 +199,11 @@ class EngineCore:
         self._drain_batch_queue()
         return self.executor.collective_rpc(method, timeout, tuple(args), kwargs)
 
+    def lora_targets(self) -> list[dict[str, list[int]]]:
+        """Each rank's table of LoRA-adaptable modules (``Worker.lora_targets``). NOTE: read-only,
+        so it may run while steps are in flight (unlike ``collective_rpc``)."""
+        return self.executor.collective_rpc("lora_targets")
+
     def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
         self._drain_batch_queue()
         self.executor.profile(is_start, profile_prefix)
