@@ -2,8 +2,9 @@
 
 Each adapted layer keeps its base layer and, per *slice* of its output (one for a plain layer;
 q/k/v of ``qkv_proj``, gate/up of ``gate_up_proj``), stacked device buffers with one entry per
-slot: ``lora_a[i] [max_loras, max_lora_rank, in_per_rank]`` and ``lora_b[i] [max_loras,
-out_slice_per_rank, max_lora_rank]`` (ranks below the maximum are zero-padded). Sharding follows
+slot: ``lora_a [max_loras, num_slices, max_lora_rank, in_per_rank]`` (every slice's A, so one
+shrink serves them all) and per slice ``lora_b[i] [max_loras, out_slice_per_rank,
+max_lora_rank]``; ranks below the maximum are zero-padded. Sharding follows
 the base layer: a column-parallel layer holds A whole and the rows of B for its output shard
 (``LinearBase._output_shard``: replicated KV heads included); a row-parallel layer holds the
 columns of A for its input shard and B whole, and adds its partial update before the
@@ -86,10 +87,10 @@ class LinearWithLoRA(nn.Module):
         weight = next(base_layer.parameters())
         num, rank, dtype = state.max_loras, state.max_lora_rank, state.dtype
         size_in = base_layer.input_size_per_partition
-        self.lora_a = [torch.zeros(num, rank, size_in, dtype=dtype, device=weight.device) for _ in slices]
+        self.register_buffer("lora_a", torch.zeros(num, len(slices), rank, size_in, dtype=dtype,
+                                                   device=weight.device), persistent=False)
         self.lora_b = [torch.zeros(num, s.size, rank, dtype=dtype, device=weight.device) for s in slices]
-        for i, (a, b) in enumerate(zip(self.lora_a, self.lora_b)):
-            self.register_buffer(f"lora_a_{i}", a, persistent=False)
+        for i, b in enumerate(self.lora_b):
             self.register_buffer(f"lora_b_{i}", b, persistent=False)
 
     def shard(self, i: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

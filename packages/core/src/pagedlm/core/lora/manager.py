@@ -124,7 +124,7 @@ class LoRAModelManager:
         rank, scaling, per_layer = self._host[lora_id]
         self._host.move_to_end(lora_id)
         for layer, parts in zip(self.layers, per_layer):
-            for a_buf, b_buf, pair in zip(layer.lora_a, layer.lora_b, parts):
+            for a_buf, b_buf, pair in zip(layer.lora_a.unbind(1), layer.lora_b, parts):
                 if pair is None:
                     a_buf[slot].zero_()
                     b_buf[slot].zero_()

@@ -75,15 +75,16 @@ class LoRAStepState:
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, layer) -> None:
         """``out [T, out_per_rank] += `` the step's update of ``layer`` for input ``x [T, in]``."""
         if self.uses_ops:
-            for (a, b), s in zip(zip(layer.lora_a, layer.lora_b), layer.slices):
-                shrunk = self.shrink(x, a, self.sorted_token_ids, self.slot_starts, self.slot_counts)
-                self.expand(out.narrow(-1, s.offset, s.size), shrunk, b, self.sorted_token_ids, self.slot_starts,
-                            self.slot_counts, self.scale)
+            a = layer.lora_a
+            shrunk = self.shrink(x, a.flatten(1, 2), self.sorted_token_ids, self.slot_starts, self.slot_counts)
+            for i, (b, s) in enumerate(zip(layer.lora_b, layer.slices)):
+                self.expand(out.narrow(-1, s.offset, s.size), shrunk.narrow(-1, i * a.shape[2], a.shape[2]), b,
+                            self.sorted_token_ids, self.slot_starts, self.slot_counts, self.scale)
             return
         for slot, rows in self.groups:
             rank, scale = self.rank[slot], self.scale_host[slot]
             xs = x.index_select(0, rows)
-            for (a, b), s in zip(zip(layer.lora_a, layer.lora_b), layer.slices):
-                a_s, b_s = a[slot, :rank], b[slot, :, :rank]
+            for i, (b, s) in enumerate(zip(layer.lora_b, layer.slices)):
+                a_s, b_s = layer.lora_a[slot, i, :rank], b[slot, :, :rank]
                 delta = F.linear(F.linear(xs, a_s.to(x.dtype)), b_s.to(x.dtype)) * scale
                 out.narrow(-1, s.offset, s.size).index_add_(0, rows, delta)
