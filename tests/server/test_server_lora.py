@@ -65,6 +65,9 @@ def test_adapters_and_base_concurrently(lora_server, adapters):
         assert chat.model == "two"
         with pytest.raises(openai.NotFoundError, match="does not exist"):
             client.completions.create(model="three", prompt="hi", max_tokens=1)
+    metrics = httpx.get(lora_server.url + "/metrics", headers=lora_server.headers, timeout=30).text
+    info = [line for line in metrics.splitlines() if line.startswith("pagedlm:lora_requests_info{")]
+    assert len(info) == 1 and 'max_lora="2"' in info[0], metrics
 
 
 def test_load_and_unload_at_run_time(lora_server, adapters):
@@ -105,3 +108,20 @@ def test_runtime_updates_refused_unless_enabled():
         ("a", "/p", None), ("b", "/q", "m")]
     with pytest.raises(ValueError, match="expected NAME=PATH"):
         parse_lora_modules(["nopath"])
+
+
+def test_lora_requests_info_gauge():
+    from prometheus_client import generate_latest
+
+    from pagedlm.core.metrics.stats import EngineStatsSnapshot
+    from pagedlm.server.metrics import PrometheusStatLogger
+
+    logger = PrometheusStatLogger("m", prefix="vllm:")
+    for running in ({"b": 1}, {"b": 1, "a": 2}):
+        logger.record(EngineStatsSnapshot(running_lora_adapters=running, waiting_lora_adapters={"c": 1}, max_lora=2),
+                      None)
+    lines = [line for line in generate_latest(logger.registry).decode().splitlines()
+             if line.startswith("vllm:lora_requests_info{")]
+    assert len(lines) == 1
+    for label in ('max_lora="2"', 'running_lora_adapters="a,b"', 'waiting_lora_adapters="c"'):
+        assert label in lines[0]
