@@ -28,7 +28,8 @@ def _state(device, dtype, ops: bool, max_loras=3, rank=16, tokens=64):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("num_tokens", "size_in", "size_out", "rank"), [(37, 96, 80, 8), (5, 64, 130, 16), (1, 64, 64, 4)])
+@pytest.mark.parametrize(("num_tokens", "size_in", "size_out", "rank"),
+                         [(37, 96, 80, 8), (5, 64, 130, 16), (1, 64, 64, 4)])
 def test_shrink_expand_match_torch(device, dtype, num_tokens, size_in, size_out, rank):
     gen = torch.Generator().manual_seed(num_tokens)
     num_slots = 3

@@ -72,8 +72,9 @@ def test_adapters_and_base_concurrently(lora_server, adapters):
 
 def test_load_and_unload_at_run_time(lora_server, adapters):
     paths, expected = adapters
-    post = lambda path, body: httpx.post(lora_server.url + path, json=body, headers=lora_server.headers,  # noqa: E731
-                                         timeout=60)
+    def post(path, body):
+        return httpx.post(lora_server.url + path, json=body, headers=lora_server.headers, timeout=60)
+
     loaded = post("/v1/load_lora_adapter", {"lora_name": "three", "lora_path": paths["one"]})
     assert loaded.status_code == 200, loaded.text
     assert post("/v1/load_lora_adapter", {"lora_name": "three", "lora_path": paths["one"]}).status_code == 400

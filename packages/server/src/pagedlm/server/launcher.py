@@ -112,8 +112,8 @@ async def _serve(args: argparse.Namespace, engine_args: EngineArgs, sock: socket
             from pagedlm.core import envs
             from pagedlm.server.lora import LoRAModels
 
-            state.lora = LoRAModels(engine, name, allow_runtime_updates=bool(getattr(args, "enable_dynamic_lora", False))
-                                    or envs.allow_runtime_lora_updating())
+            dynamic = bool(getattr(args, "enable_dynamic_lora", False)) or envs.allow_runtime_lora_updating()
+            state.lora = LoRAModels(engine, name, allow_runtime_updates=dynamic)
             for lora_name, path, base in getattr(args, "lora_modules", None) or ():
                 await state.lora.add(lora_name, path, base)  # ValueError (the CLI prints it) for a bad one
         app = build_app(state)

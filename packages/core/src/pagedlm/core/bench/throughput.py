@@ -192,8 +192,9 @@ def _print(r: dict[str, Any]) -> None:
     ]
     if "lora" in r:
         share = r["lora"].get("kernel_share_of_device_time")
+        kernels = "" if share is None else f"; LoRA kernels {share:.1%} of device time"
         rows.insert(2, ("LoRA", f"{r['lora']['num_loras']} adapters of rank {r['lora']['rank']}, requests "
-                                "round-robin" + ("" if share is None else f"; LoRA kernels {share:.1%} of device time")))
+                                f"round-robin{kernels}"))
     if r["num_steps"] is None:
         rows.insert(2, ("data parallel", f"{e['data_parallel_size']} replicas (steps, KV use and preemptions "
                                          "stay in their processes)"))

@@ -106,7 +106,7 @@ def load_peft_adapter(request: LoRARequest, targets: Mapping[str, tuple[int, int
     pairs: dict[str, dict[str, Any]] = {}
     try:
         with safe_open(path, framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 - a safe_open handle, not a dict
                 module, part = _split_key(request, key)
                 entry = pairs.setdefault(module, {})
                 sliced = f.get_slice(key)
@@ -116,7 +116,7 @@ def load_peft_adapter(request: LoRARequest, targets: Mapping[str, tuple[int, int
                     entry[part] = f.get_tensor(key)
     except ValueError:
         raise
-    except Exception as e:  # noqa: BLE001 - a corrupt file: say which adapter
+    except Exception as e:  # a corrupt file: say which adapter
         raise _refuse(request, f"cannot read {WEIGHTS_NAME}: {type(e).__name__}: {e}") from e
     if not pairs:
         raise _refuse(request, f"{WEIGHTS_NAME} holds no LoRA weights")

@@ -58,7 +58,8 @@ class LoRARequest:
         return hash(self.lora_name)
 
     def __repr__(self) -> str:
-        return f"LoRARequest(lora_name={self.lora_name!r}, lora_int_id={self.lora_int_id}, lora_path={self.lora_path!r})"
+        return (f"LoRARequest(lora_name={self.lora_name!r}, lora_int_id={self.lora_int_id}, "
+                f"lora_path={self.lora_path!r})")
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (self.lora_name, self.lora_int_id, self.lora_path, self.base_model_name))
