@@ -95,8 +95,27 @@ def test_adapted_qkv_layer_kernels_equal_torch_path(device, dtype):
     torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
 
 
-@pytest.mark.skipif(INTERPRET, reason="a whole engine on the GPU")
-def test_cuda_graphs_lora_matches_hf_peft(tiny_checkpoint_factory, tmp_path):
+@pytest.fixture
+def lora_engine_kwargs(device, monkeypatch):
+    """On a GPU: the CUDA platform. Under the interpreter: the CUDA runner on the CPU with its
+    graph stand-in (tests/cuda/test_cuda_e2e.py), Triton attention and the Triton LoRA ops."""
+    if device.type == "cuda":
+        return {"device": "cuda"}
+    from pagedlm.backends.cpu.platform import CpuPlatform
+    from pagedlm.backends.cuda.model_runner import CudaModelRunner
+    from pagedlm.core.layers import custom_ops
+
+    registered = custom_ops.registered_ops
+    monkeypatch.setattr(custom_ops, "registered_ops",
+                        lambda name: {k: v for k, v in registered("cuda").items() if k.startswith("lora_")})
+    monkeypatch.setattr(CpuPlatform, "get_model_runner_cls",
+                        lambda self, cfg: "pagedlm.backends.cuda.model_runner:CudaModelRunner")
+    monkeypatch.setattr(CudaModelRunner, "emulate_graphs", True)
+    return {"device": "cpu", "attention_backend": "triton", "num_gpu_blocks_override": 64, "max_num_seqs": 8,
+            "async_scheduling": True}
+
+
+def test_graphs_lora_matches_hf_peft(tiny_checkpoint_factory, tmp_path, lora_engine_kwargs):
     from pagedlm.core import LLM, LoRARequest, SamplingParams
     from pagedlm.core.testing import compare_greedy
     from pagedlm.core.testing.lora import hf_peft_greedy, make_peft_adapter
@@ -105,8 +124,10 @@ def test_cuda_graphs_lora_matches_hf_peft(tiny_checkpoint_factory, tmp_path):
     paths = [make_peft_adapter(model, tmp_path / f"a{i}", rank=r, seed=i, use_rslora=i == 1)
              for i, r in enumerate([8, 4, 16])]
     prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], [300, 200, 100, 7, 77, 177]]
-    llm = LLM(model, dtype="float32", device="cuda", enable_lora=True, max_loras=2, max_lora_rank=16,
-              max_model_len=128)
+    llm = LLM(model, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, max_model_len=128,
+              **lora_engine_kwargs)
+    runner = llm.llm_engine.core.executor.worker.model_runner
+    assert runner._graphs and runner.lora_manager.state.uses_ops
     pairs = [(a, p) for p in range(3) for a in (None, 0, 1, 2)]
     loras = [None] + [LoRARequest(f"a{i}", i + 1, path) for i, path in enumerate(paths)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

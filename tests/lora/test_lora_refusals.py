@@ -140,3 +140,19 @@ def test_prefix_cache_keys_include_the_adapter():
     assert hashes["a"] == hashes["a2"]
     assert len({tuple(h) for h in hashes.values()}) == 3
     assert not set(hashes["a"]) & set(hashes["b"]) and not set(hashes["a"]) & set(hashes["base"])
+
+
+def test_cli_flags_and_vllm_import_paths(lora_setups):
+    """vLLM's flags through EngineArgs.add_cli_args, and vLLM's module path of LoRARequest."""
+    from pagedlm.core import EngineArgs
+    from pagedlm.core import LoRARequest as Exported
+    from pagedlm.core.lora.request import LoRARequest as FromModule  # vllm.lora.request.LoRARequest
+    from pagedlm.core.utils import FlexibleArgumentParser
+
+    assert Exported is FromModule
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", lora_setups["llama"].model, "--enable-lora", "--max-loras", "3",
+                              "--max_lora_rank", "32", "--max-cpu-loras", "5", "--lora-dtype", "float32"])
+    lc = EngineArgs.from_cli_args(args).create_vllm_config().lora_config
+    assert (lc.max_loras, lc.max_lora_rank, lc.max_cpu_loras, lc.lora_dtype) == (3, 32, 5, "float32")
+    assert EngineArgs(model=lora_setups["llama"].model).create_vllm_config().lora_config is None

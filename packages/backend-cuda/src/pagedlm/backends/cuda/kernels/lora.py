@@ -102,9 +102,13 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, sorted_token_ids: torch.T
     if num_tokens == 0:
         return out
     grid = (triton.cdiv(num_tokens, _BLOCK_M), num_slots)
+    block_r = _block_r(rank)
+    # NOTE: a decode step gives each slot few tokens: the K loop's length is the latency, so it
+    # takes wide steps (the tiles stay small: 16 tokens x BLOCK_R ranks)
+    block_k = 128 if block_r <= 64 else 64
     launch(_lora_shrink_kernel, grid, x, lora_a, out, sorted_token_ids, slot_starts, slot_counts, size_in, rank,
-           x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0), BLOCK_M=_BLOCK_M, BLOCK_R=_block_r(rank),
-           BLOCK_K=64, IEEE=x.dtype == torch.float32, num_warps=4)
+           x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0), BLOCK_M=_BLOCK_M, BLOCK_R=block_r,
+           BLOCK_K=block_k, IEEE=x.dtype == torch.float32, num_warps=4)
     return out
 
 
