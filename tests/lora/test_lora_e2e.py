@@ -25,7 +25,7 @@ def test_mixed_batch_matches_hf_peft(arch, lora_setups):
 
 def test_chunked_prefill_and_small_batches(lora_setups):
     setup = lora_setups["llama"]
-    llm = LLM(setup.model, max_loras=2, max_num_batched_tokens=8, max_num_seqs=5, enable_prefix_caching=False,
+    llm = LLM(setup.model, max_loras=2, max_num_batched_tokens=12, max_num_seqs=5, enable_prefix_caching=False,
               **BASE)
     run_and_compare(llm, setup)
     llm.shutdown()
