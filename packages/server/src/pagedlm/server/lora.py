@@ -78,7 +78,8 @@ class LoRAModels:
 
     def cards(self, created: int) -> list[dict[str, Any]]:
         return [{"id": name, "object": "model", "created": created, "owned_by": "pagedlm", "root": r.lora_path,
-                 "parent": r.base_model_name or self.base_model_name, "max_model_len": None} for name, r in self.adapters.items()]
+                 "parent": r.base_model_name or self.base_model_name, "max_model_len": None}
+                for name, r in self.adapters.items()]
 
     def install_routes(self, app: FastAPI) -> None:
         @app.post("/v1/load_lora_adapter")
