@@ -52,6 +52,8 @@ TEST_DEPS = [
     # tests/quantization: tiny checkpoints quantized by the real compressed-tensors package, which
     # is also how HF transformers reads them (the reference)
     "compressed-tensors>=0.12",
+    # tests/lora (and the server's LoRA tests): adapters made, and references computed, by the real peft
+    "peft>=0.13",
 ]
 # tests/peer: vLLM's tests are async (pytest-asyncio) and use these as vLLM's test suite does
 PEER_DEPS = ["pytest-asyncio", "requests", "regex", "prometheus_client"]

@@ -25,7 +25,7 @@ def fused(device):
     ops = custom_ops.registered_ops("cuda")
     assert set(ops) == {"rms_norm", "fused_add_rms_norm", "rotary_embedding", "qk_norm_rotary_embedding",
                         "silu_and_mul", "gumbel_sample", "fused_experts", "wna16_gemm", "fp8_scaled_mm",
-                        "int8_scaled_mm"}
+                        "int8_scaled_mm", "lora_shrink", "lora_expand"}
     with custom_ops.use_ops(ops):
         yield ops
 

@@ -83,8 +83,8 @@ class FakeEngine:
         if len(token_ids) + (params.max_tokens or 0) > self.max_model_len:
             raise ValueError(f"prompt + max_tokens exceeds max_model_len={self.max_model_len}")
 
-    async def generate(self, prompt, sampling_params, request_id, *,
-                       add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt, sampling_params, request_id, *, add_special_tokens: bool = True,
+                       lora_request=None) -> AsyncIterator[RequestOutput]:
         token_ids = prompt["prompt_token_ids"]
         yield RequestOutput(request_id=request_id, prompt=prompt["prompt"], prompt_token_ids=token_ids,
                             prompt_logprobs=None, finished=True,
@@ -93,6 +93,12 @@ class FakeEngine:
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    async def add_lora(self, lora_request) -> bool:
+        raise ValueError("this engine serves no LoRA adapters")
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return False
 
     async def check_health(self) -> None:
         if self.dead_error is not None:

@@ -17,6 +17,7 @@ __all__ = [
     "CompletionOutput",
     "EngineArgs",
     "LLMEngine",
+    "LoRARequest",
     "Logprob",
     "RequestOutput",
     "SamplingParams",
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from pagedlm.core.engine.llm_engine import LLMEngine
     from pagedlm.core.engine.protocol import EngineClient
     from pagedlm.core.entrypoints.llm import LLM
+    from pagedlm.core.lora.request import LoRARequest
     from pagedlm.core.outputs import CompletionOutput, Logprob, RequestOutput
     from pagedlm.core.sampling_params import SamplingParams
 
@@ -40,6 +42,7 @@ _LAZY = {
     "EngineClient": "pagedlm.core.engine.protocol",
     "LLMEngine": "pagedlm.core.engine.llm_engine",
     "EngineArgs": "pagedlm.core.engine.arg_utils",
+    "LoRARequest": "pagedlm.core.lora.request",
     "VllmConfig": "pagedlm.core.config",
     "SamplingParams": "pagedlm.core.sampling_params",
     "RequestOutput": "pagedlm.core.outputs",

@@ -457,6 +457,44 @@ class LoadConfig(_Freezable):
 
 
 @dataclass
+class LoRAConfig(_Freezable):
+    """Multi-LoRA serving (vLLM's ``LoRAConfig``; ``VllmConfig.lora_config``, None: LoRA off).
+
+    ``max_loras`` adapters sit in device slots at once (the scheduler never runs more distinct
+    adapters in one step); ``max_cpu_loras`` (default ``max_loras``) are kept in host memory, least
+    recently used evicted; ``lora_dtype`` is the slots' dtype (``"auto"``: the model's).
+    ``fully_sharded_loras`` is vLLM's option to shard A as well; it is refused (pagedlm shards
+    like the base layers: B's output rows column-parallel, A's input columns row-parallel).
+    """
+
+    max_lora_rank: int = 16
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
+    lora_dtype: str | torch.dtype = "auto"
+    fully_sharded_loras: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_lora_rank", "max_loras"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}")
+        if self.fully_sharded_loras:
+            raise ValueError("fully_sharded_loras=True is not supported: LoRA weights are sharded like their "
+                             "base layers (drop the option)")
+        if isinstance(self.lora_dtype, str) and self.lora_dtype != "auto" and self.lora_dtype not in _STR_TO_DTYPE:
+            raise ValueError(f"lora_dtype={self.lora_dtype!r} must be 'auto' or one of {', '.join(_STR_TO_DTYPE)}")
+
+    def torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        if isinstance(self.lora_dtype, torch.dtype):
+            return self.lora_dtype
+        return model_dtype if self.lora_dtype == "auto" else _STR_TO_DTYPE[self.lora_dtype]
+
+
+@dataclass
 class DeviceConfig(_Freezable):
     """``device="auto"`` picks the available platform with the highest priority."""
 
@@ -479,6 +517,8 @@ class VllmConfig(_Freezable):
     #: the model's quantization method (``pagedlm.core.layers.quantization.QuantizationConfig``),
     #: built from ``model_config.quantization`` or the checkpoint; None: full precision
     quant_config: Any = None
+    #: multi-LoRA serving (``LoRAConfig``); None: off
+    lora_config: LoRAConfig | None = None
     #: who drives the engine: "llm" (offline batches: throughput) or "server" (online: latency);
     #: platforms pick defaults by it (``Platform.default_max_num_batched_tokens``)
     usage_context: str = "llm"

@@ -75,6 +75,14 @@ def vllm_profiler_config() -> dict[str, object] | None:
     return fields
 
 
+def allow_runtime_lora_updating() -> bool:
+    """``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (vLLM's name) or ``PAGEDLM_ALLOW_RUNTIME_LORA_UPDATING``:
+    the server's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` are open."""
+    value = os.environ.get("PAGEDLM_ALLOW_RUNTIME_LORA_UPDATING") or os.environ.get(
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
 #: vLLM environment variables whose effect pagedlm has under its own name, or has anyway
 _VLLM_EQUIVALENTS = {
     "VLLM_LOGGING_LEVEL": "PAGEDLM_LOGGING_LEVEL",
@@ -100,7 +108,7 @@ def check_vllm_environment() -> None:
             "last bits with the batch mix (greedy tokens in its parity tests do not). Unset VLLM_BATCH_INVARIANT."
         )
     logger = init_logger(__name__)
-    honoured = set(_VLLM_PROFILER_VARS)
+    honoured = set(_VLLM_PROFILER_VARS) | {"VLLM_ALLOW_RUNTIME_LORA_UPDATING"}
     for name in sorted(k for k in os.environ if k.startswith("VLLM_") and k not in _warned_vllm | honoured):
         _warned_vllm.add(name)
         equivalent = _VLLM_EQUIVALENTS.get(name)

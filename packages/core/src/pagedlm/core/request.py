@@ -52,6 +52,8 @@ class EngineCoreRequest:
     #: ``[len(prompt_token_ids), hidden]`` CPU tensor in the model dtype when the prompt is given
     #: as embeddings (``enable_prompt_embeds``); ``prompt_token_ids`` are placeholders then
     prompt_embeds: Any = None
+    #: the LoRA adapter to run with (``pagedlm.core.lora.LoRARequest``), None: the base model
+    lora_request: Any = None
 
 
 class Request:
@@ -70,12 +72,19 @@ class Request:
         arrival_time: float | None = None,
         max_tokens: int | None = None,
         prompt_embeds: Any = None,
+        lora_request: Any = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_embeds = prompt_embeds
         #: what the prefix-cache hash chain starts from: None (the root) for token ids; for a
-        #: prompt given as embeddings, a digest of them (its placeholder ids say nothing)
+        #: prompt given as embeddings, a digest of them (its placeholder ids say nothing); with
+        #: a LoRA adapter, also the adapter (two adapters never share KV blocks)
         self.block_hash_seed: bytes | None = None if prompt_embeds is None else _digest(prompt_embeds)
+        self.lora_request = lora_request
+        if lora_request is not None:
+            from pagedlm.core.lora.request import lora_hash_seed
+
+            self.block_hash_seed = lora_hash_seed(lora_request, self.block_hash_seed)
         self.sampling_params = sampling_params
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
@@ -114,7 +123,7 @@ class Request:
         if max_tokens is None:
             max_tokens = max_model_len - len(req.prompt_token_ids)
         return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.arrival_time, max_tokens,
-                   prompt_embeds=req.prompt_embeds)
+                   prompt_embeds=req.prompt_embeds, lora_request=req.lora_request)
 
     @property
     def num_tokens(self) -> int:

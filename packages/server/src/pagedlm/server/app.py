@@ -122,6 +122,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(GateMiddleware, api_key=state.api_key)
+    if state.lora is not None:
+        state.lora.install_routes(app)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -143,12 +145,18 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
         s = get_state(request)
-        return {"object": "list", "data": [model_card(s, name) for name in s.served_model_names]}
+        cards = [model_card(s, name) for name in s.served_model_names]
+        if s.lora is not None:
+            cards += [{**card, "max_model_len": s.engine.max_model_len} for card in s.lora.cards(s.created)]
+        return {"object": "list", "data": cards}
 
     @app.get("/v1/models/{model:path}")  # :path: a served name may hold slashes (org/name)
     async def retrieve_model(model: str, request: Request) -> Any:
         s = get_state(request)
         check_model(s, model)
+        if s.lora_request(model) is not None:
+            card = next(c for c in s.lora.cards(s.created) if c["id"] == model)
+            return {**card, "max_model_len": s.engine.max_model_len}
         return model_card(s, model)
 
     @app.post("/tokenize")

@@ -58,6 +58,13 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     server.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                         help="log every HTTP request (uvicorn's access log)")
+    server.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="LoRA adapters to serve (with --enable-lora), each as NAME=PATH or vLLM's JSON form "
+                             "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; clients select one "
+                             "with model=NAME")
+    server.add_argument("--enable-dynamic-lora", action="store_true",
+                        help="open POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
+                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, which is also read)")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
 
@@ -86,6 +93,11 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-logprobs={args.max_logprobs} is invalid: must be >= 0, or -1 (the vocabulary size)")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port={args.port} is invalid: must be in 0..65535 (0: any free port)")
+    if (args.lora_modules or args.enable_dynamic_lora) and not args.enable_lora:
+        raise ValueError("--lora-modules and --enable-dynamic-lora need --enable-lora")
+    from pagedlm.server.lora import parse_lora_modules
+
+    args.lora_modules = parse_lora_modules(args.lora_modules)  # ValueError for a malformed entry
     from pagedlm.server.launcher import serve
 
     return serve(args, api_key=resolve_api_key(args))

@@ -108,6 +108,14 @@ async def _serve(args: argparse.Namespace, engine_args: EngineArgs, sock: socket
                             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                             enable_force_include_usage=args.enable_force_include_usage,
                             max_logprobs=args.max_logprobs)
+        if vllm_config.lora_config is not None:
+            from pagedlm.core import envs
+            from pagedlm.server.lora import LoRAModels
+
+            dynamic = bool(getattr(args, "enable_dynamic_lora", False)) or envs.allow_runtime_lora_updating()
+            state.lora = LoRAModels(engine, name, allow_runtime_updates=dynamic)
+            for lora_name, path, base in getattr(args, "lora_modules", None) or ():
+                await state.lora.add(lora_name, path, base)  # ValueError (the CLI prints it) for a bad one
         app = build_app(state)
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=args.access_log,
                                 timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off")

@@ -74,6 +74,8 @@ class PrometheusStatLogger(StatLoggerBase):
         self._cache_config = {str(k): str(v) for k, v in (cache_config or {}).items()}
         self._block_size = int(self._cache_config.get("block_size", "16"))
         self._max_model_len = max_model_len
+        #: vLLM's lora_requests_info, made on the first snapshot of an engine with LoRA
+        self._lora_info: Gauge | None = None
         self._cache_info = Gauge(prefix + "cache_config_info", "Information of the LLMEngine CacheConfig",
                                  [*self._cache_config, "num_gpu_blocks", "kv_cache_size_tokens",
                                   "kv_cache_max_concurrency", "engine"], registry=r)
@@ -175,8 +177,23 @@ class PrometheusStatLogger(StatLoggerBase):
                 if delta > 0:
                     c[counter].inc(delta)
             self._last = engine_stats
+            if engine_stats.max_lora:
+                self._record_lora(engine_stats)
         if iteration_stats is not None:
             self._record_iteration(iteration_stats)
+
+    def _record_lora(self, stats: EngineStatsSnapshot) -> None:
+        """vLLM's ``lora_requests_info``: one series, labelled with the adapters in use and waiting
+        (comma-separated names) and max_lora, whose value is the time it was set.
+        NOTE: the previous label set is cleared, so the series count stays one."""
+        gauge = self._lora_info
+        if gauge is None:
+            gauge = self._lora_info = Gauge(
+                self.prefix + "lora_requests_info", "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=self.registry)
+        gauge.clear()
+        gauge.labels(max_lora=str(stats.max_lora), waiting_lora_adapters=",".join(sorted(stats.waiting_lora_adapters)),
+                     running_lora_adapters=",".join(sorted(stats.running_lora_adapters))).set_to_current_time()
 
     def _record_iteration(self, it: IterationStats) -> None:
         c = self._c

@@ -165,10 +165,12 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     check_sequences(state, 1, params.n)
     text, token_ids = await chat_prompt(state, req, req.messages, params)
     request_id = random_id("chatcmpl")
-    gen = state.engine.generate({"prompt": text, "prompt_token_ids": token_ids}, params, request_id)
+    gen = state.engine.generate({"prompt": text, "prompt_token_ids": token_ids}, params, request_id,
+                                lora_request=state.lora_request(req.model))
     builder = _ChatBuilder(state, request_id, int(time.time()), num_logprobs, token_ids,
                            return_ids=bool(req.return_token_ids), prompt_logprobs=req.prompt_logprobs is not None,
                            echo=echo_text(req, req.messages), as_ids=bool(req.return_tokens_as_token_ids))
+    builder.model = state.response_model(req.model)
     if stream:
         return SSEResponse(builder.stream(gen, params.n, *state.stream_usage(req)))
 

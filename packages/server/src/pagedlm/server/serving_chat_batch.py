@@ -33,7 +33,8 @@ async def create_batch_chat_completion(state: ServerState, req: BatchChatComplet
     prompts = [await chat_prompt(state, req, conversation, params, param=f"messages[{i}]")
                for i, conversation in enumerate(req.messages)]
     request_id = random_id("chatcmpl")
-    gens = [state.engine.generate({"prompt": text, "prompt_token_ids": ids}, params, f"{request_id}_{i}")
+    gens = [state.engine.generate({"prompt": text, "prompt_token_ids": ids}, params, f"{request_id}_{i}",
+                                  lora_request=state.lora_request(req.model))
             for i, (text, ids) in enumerate(prompts)]
 
     async def collect() -> list[RequestOutput | None]:
@@ -63,6 +64,7 @@ async def create_batch_chat_completion(state: ServerState, req: BatchChatComplet
         totals[0] += one["usage"]["prompt_tokens"]
         totals[1] += one["usage"]["completion_tokens"]
         totals[2] += out.num_cached_tokens
-    return JSONResponse({"id": request_id, "object": "chat.completion", "created": created, "model": state.model_name,
+    return JSONResponse({"id": request_id, "object": "chat.completion", "created": created,
+                         "model": state.response_model(req.model),
                          "choices": choices, "usage": state.usage(*totals), "prompt_logprobs": None,
                          "prompt_token_ids": None})

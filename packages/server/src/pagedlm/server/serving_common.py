@@ -49,6 +49,16 @@ class ServerState:
     enable_force_include_usage: bool = False
     #: most logprobs per position a request may ask for; -1: the vocabulary size (--max-logprobs)
     max_logprobs: int = MAX_LOGPROBS
+    #: the LoRA adapters served as models of their own (pagedlm.server.lora.LoRAModels; --enable-lora)
+    lora: Any = None
+
+    def lora_request(self, model: str | None) -> Any:
+        """The ``LoRARequest`` a request's ``model`` selects (None: the base model)."""
+        return self.lora.adapters.get(model) if self.lora is not None and model is not None else None
+
+    def response_model(self, model: str | None) -> str:
+        """The ``model`` of a response: the adapter's name when one was selected (as vLLM's)."""
+        return model if model is not None and self.lora_request(model) is not None else self.model_name
 
     def resolve_logprobs(self, value: int | None, param: str) -> int | None:
         """A logprobs count of a request: -1 means the whole vocabulary, as in vLLM; more than
@@ -104,10 +114,11 @@ def get_state(request: Request) -> ServerState:
 
 
 def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model not in state.served_model_names:
+    if model is not None and model not in state.served_model_names and state.lora_request(model) is None:
         # (quoted cut short: a client's megabyte of "model" must not come back in the error)
         shown = model if len(model) <= 200 else model[:197] + "..."
-        raise APIError(f"The model `{shown}` does not exist. This server serves: {', '.join(state.served_model_names)}",
+        served = state.served_model_names + (list(state.lora.adapters) if state.lora is not None else [])
+        raise APIError(f"The model `{shown}` does not exist. This server serves: {', '.join(served)}",
                        status=404, param="model", code="model_not_found")
 
 

@@ -164,7 +164,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     request_id = random_id("cmpl")
     created = int(time.time())
     gens = [
-        state.engine.generate(p.engine_input(), params, f"{request_id}-{i}")
+        state.engine.generate(p.engine_input(), params, f"{request_id}-{i}",
+                              lora_request=state.lora_request(req.model))
         for i, p in enumerate(prompts)
     ]
     builder = _Builder(state, req, prompts, n, echo, request_id, created, num_logprobs)
@@ -192,7 +193,7 @@ class _Builder:
         self.state = state
         self.engine = state.engine
         self.tokenizer = state.engine.tokenizer
-        self.model = state.model_name
+        self.model = state.response_model(req.model)
         self.req = req
         self.prompts = prompts
         self.n = n

@@ -53,3 +53,6 @@ def pagedlm_register_ops(register: Callable[..., None]) -> None:
     for op in ("wna16_gemm", "fp8_scaled_mm", "int8_scaled_mm"):
         register(op, "cuda", f"pagedlm.backends.cuda.kernels.quant_gemm:{op}")
     register("fused_experts", "cuda", "pagedlm.backends.cuda.kernels.fused_moe:fused_experts")
+    # The batched LoRA update (kernels/lora.py): grouped shrink/expand over the step's slots.
+    for op in ("lora_shrink", "lora_expand"):
+        register(op, "cuda", f"pagedlm.backends.cuda.kernels.lora:{op}")

@@ -50,6 +50,8 @@ def profiled(directory: str | None, device: str) -> Iterator[dict[str, Any]]:
         # None on the CPU: there the ops run on the host, in the table's CPU columns
         "device_time_s": sum(t for _, t, _ in kernels) if on_device else None,
         "top_device_ops": [{"name": n, "device_time_s": t, "calls": c} for n, t, c in kernels[:15]],
+        # the batched LoRA kernels' part of the device time (bench throughput --num-loras)
+        "lora_device_time_s": sum(t for n, t, _ in kernels if "lora" in n.lower()) if on_device else None,
         "torch_version": torch.__version__,
     })
     with open(os.path.join(directory, "profile-summary.json"), "w", encoding="utf-8") as f:

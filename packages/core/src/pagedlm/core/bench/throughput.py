@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from pagedlm.core.bench import common
+from pagedlm.core.bench.lora import RandomAdapters, add_lora_options, engine_overrides
 from pagedlm.core.bench.profile import profiled
 from pagedlm.core.bench.timeline import StepRecorder, write_timelines
 from pagedlm.core.bench.workloads import add_workload_options, workload_from_args
@@ -22,6 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("throughput", help="offline throughput (requests/s, tokens/s) through LLM.generate",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_options(p)
+    add_lora_options(p)
     p.add_argument("--compare", choices=["hf"], default=None,
                    help="also run the workload through HF transformers' continuous batching and print the ratio")
     p.add_argument("--hf-attn-implementation", default="paged|sdpa",
@@ -63,9 +65,13 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
         # The workload's clip range fits 2 x 1024 tokens; its lengths adapt to a shorter context.
         setup.kwargs["max_model_len"] = min(2048, setup.model_max_len())
     workload = workload_from_args(args, vocab_size=vocab, max_model_len=setup.kwargs.get("max_model_len"))
+    if args.num_loras and args.compare:
+        raise ValueError("--compare hf runs the base model only; drop --num-loras (or --compare)")
+    setup.kwargs.update(engine_overrides(args, setup.kwargs))
     t_init = time.perf_counter()
     llm = setup.build()
     init_s = time.perf_counter() - t_init
+    adapters = RandomAdapters(llm, args.num_loras, args.lora_rank, seed=args.seed) if args.num_loras else None
     rss_mb = common.resident_memory_mb()
     engine = common.engine_summary(llm, setup)
     common.warm_up(llm, vocab)
@@ -76,8 +82,11 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
         recorder.restart_clock()
     with profiled(args.profile, engine["device"]) as profile_summary:
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False,
+                               lora_request=adapters.for_requests(len(prompts)) if adapters else None)
         elapsed = time.perf_counter() - start
+    if adapters is not None:
+        adapters.cleanup()
     if recorder is not None:
         recorder.finish(llm)
     num_in = sum(len(o.prompt_token_ids) for o in outputs)
@@ -109,8 +118,13 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
         "prefix_cached_tokens": sum(o.num_cached_tokens for o in outputs),
         "steps": steps,
     }
+    if adapters is not None:
+        result["lora"] = adapters.summary()
     if profile_summary:
         result["profile"] = profile_summary
+        if adapters is not None and profile_summary.get("device_time_s"):
+            result["lora"]["kernel_share_of_device_time"] = (profile_summary["lora_device_time_s"]
+                                                             / profile_summary["device_time_s"])
     if args.kv_timeline:
         title = (f"pagedlm bench throughput: {engine['model']} ({engine['device']}, {engine['dtype']}), "
                  f"workload {workload.name} x{workload.num_requests}\n{engine['num_blocks']:,} blocks x "
@@ -176,6 +190,11 @@ def _print(r: dict[str, Any]) -> None:
         ("output tokens/s", r["output_tokens_per_s"]),
         ("total tokens/s", r["total_tokens_per_s"]),
     ]
+    if "lora" in r:
+        share = r["lora"].get("kernel_share_of_device_time")
+        kernels = "" if share is None else f"; LoRA kernels {share:.1%} of device time"
+        rows.insert(2, ("LoRA", f"{r['lora']['num_loras']} adapters of rank {r['lora']['rank']}, requests "
+                                f"round-robin{kernels}"))
     if r["num_steps"] is None:
         rows.insert(2, ("data parallel", f"{e['data_parallel_size']} replicas (steps, KV use and preemptions "
                                          "stay in their processes)"))

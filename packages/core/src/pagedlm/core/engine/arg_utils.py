@@ -15,6 +15,7 @@ from pagedlm.core.config import (
     CacheConfig,
     DeviceConfig,
     LoadConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     ProfilerConfig,
@@ -67,6 +68,12 @@ _HELP = {
     "enable_prompt_embeds": "accept {'prompt_embeds': tensor} prompts (embeddings instead of token ids)",
     "profiler_config": 'JSON object of vLLM\'s ProfilerConfig, e.g. \'{"profiler": "torch", "torch_profiler_dir": '
     '"./traces"}\' (start_profile/stop_profile; default: from VLLM_TORCH_PROFILER_DIR when set)',
+    "enable_lora": "serve LoRA adapters (LoRARequest per request; docs/lora.md)",
+    "max_loras": "most LoRA adapters in one batch (device slots)",
+    "max_lora_rank": "largest LoRA rank accepted",
+    "max_cpu_loras": "LoRA adapters kept in host memory (default: max_loras)",
+    "lora_dtype": "dtype of the LoRA weights on the device: auto (the model's), float16, bfloat16, float32",
+    "fully_sharded_loras": "vLLM's option (not supported: refused)",
 }
 
 #: the values of vLLM's options that mean what pagedlm does anyway
@@ -118,6 +125,12 @@ class EngineArgs:
     logits_processors: list[Any] | None = None
     enable_prompt_embeds: bool = False
     profiler_config: dict[str, Any] | ProfilerConfig | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
+    fully_sharded_loras: bool = False
     additional_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -183,6 +196,9 @@ class EngineArgs:
             device_config=DeviceConfig(device=self.device),
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
+            lora_config=LoRAConfig(max_lora_rank=self.max_lora_rank, max_loras=self.max_loras,
+                                   max_cpu_loras=self.max_cpu_loras, lora_dtype=self.lora_dtype,
+                                   fully_sharded_loras=self.fully_sharded_loras) if self.enable_lora else None,
             additional_config=dict(self.additional_config),
         )
 

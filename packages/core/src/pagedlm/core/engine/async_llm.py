@@ -104,6 +104,10 @@ class AsyncLLM:
         self._core_paused = False
         self._resumed: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
         self._drained: asyncio.Event | None = None
+        from pagedlm.core.lora.frontend import LoRARegistry
+
+        #: the adapters checked against the model (add_lora, lora_request=)
+        self.lora_registry = LoRARegistry(vllm_config.lora_config)
         self.engine_core: AsyncInprocClient | AsyncMPClient | AsyncDPClient
         data_parallel = vllm_config.parallel_config.data_parallel_size > 1
         if multiprocess or data_parallel:
@@ -187,6 +191,7 @@ class AsyncLLM:
         request_id: str,
         *,
         add_special_tokens: bool = True,
+        lora_request: Any = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield ``RequestOutput`` s of one request until it is finished.
 
@@ -199,8 +204,10 @@ class AsyncLLM:
         if request_id in self._queues:
             raise ValueError(f"request_id={request_id!r} is already in the engine")
         arrival = time.monotonic()
+        if self.lora_registry.needs_check(lora_request):
+            await self.add_lora(lora_request)
         core_request, text = self.processor.process(request_id, prompt, sampling_params,
-                                                    add_special_tokens=add_special_tokens)
+                                                    add_special_tokens=add_special_tokens, lora_request=lora_request)
         while self._paused:  # validated, and held back until resume_generation
             await self._resume_event().wait()
             self._ensure_running()
@@ -234,6 +241,26 @@ class AsyncLLM:
                 # NOTE: synchronous on purpose. This runs when the consumer stops early: on
                 # GeneratorExit or CancelledError, where awaiting again is not safe.
                 self.abort(request_id)
+
+    # -- LoRA adapters (vLLM's AsyncLLM methods) -----------------------------------------------
+    async def add_lora(self, lora_request: Any) -> bool:
+        """Check an adapter against the model (``ValueError`` for one it cannot run); False if it
+        was checked already. NOTE: the workers read it when a request first needs it, so adding
+        one never waits for (or interrupts) the steps running meanwhile."""
+        if self.lora_registry.lora_config is not None and self.lora_registry.targets is None:
+            tables = await self.engine_core.call_utility_async("lora_targets")
+            if isinstance(self.engine_core, AsyncDPClient):
+                tables = [t for replica in tables for t in replica]
+            self.lora_registry.set_targets(tables)
+        return self.lora_registry.check(lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Forget adapter ``lora_id`` in the front end: a request naming it is checked again."""
+        return self.lora_registry.forget(lora_id)
+
+    async def list_loras(self) -> set[int]:
+        """Ids of the adapters checked and not removed."""
+        return set(self.lora_registry.checked)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now: the core frees its KV blocks in its next loop iteration."""

@@ -65,6 +65,7 @@ class EngineCore:
             enable_chunked_prefill=sc.enable_chunked_prefill,
             async_scheduling=bool(sc.async_scheduling),
             pipeline_depth=pipeline_depth,
+            max_loras=vllm_config.lora_config.max_loras if vllm_config.lora_config is not None else None,
         )
         self._stats_listeners: list[StatsListener] = []
         #: ``pause_scheduler``: nothing new is scheduled (batches in flight still finish)
@@ -197,6 +198,11 @@ class EngineCore:
         """Call a worker method (or ``method(worker, ...)``) on every worker, between steps."""
         self._drain_batch_queue()
         return self.executor.collective_rpc(method, timeout, tuple(args), kwargs)
+
+    def lora_targets(self) -> list[dict[str, list[int]]]:
+        """Each rank's table of LoRA-adaptable modules (``Worker.lora_targets``). NOTE: read-only,
+        so it may run while steps are in flight (unlike ``collective_rpc``)."""
+        return self.executor.collective_rpc("lora_targets")
 
     def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
         self._drain_batch_queue()

@@ -42,7 +42,7 @@ def fan_out(core_request: EngineCoreRequest) -> list[EngineCoreRequest]:
         children.append(EngineCoreRequest(
             request_id=f"{i}_{core_request.request_id}", prompt_token_ids=core_request.prompt_token_ids,
             sampling_params=child_params, arrival_time=core_request.arrival_time,
-            prompt_embeds=core_request.prompt_embeds,
+            prompt_embeds=core_request.prompt_embeds, lora_request=core_request.lora_request,
         ))
     return children
 
@@ -72,6 +72,12 @@ class LLMEngine:
         #: request statistics for get_metrics (per output of every step: off unless asked for)
         self._tracker = RequestStatsTracker() if log_stats else None
         self._collector = MetricsCollector(vllm_config.model_config.name, vllm_config.max_model_len)
+        from pagedlm.core.lora.frontend import LoRARegistry
+
+        #: the adapters checked against the model (LoRA: add_lora, lora_request=)
+        self.lora_registry = LoRARegistry(vllm_config.lora_config)
+        if vllm_config.lora_config is not None:
+            self.lora_registry.set_targets(self.collective_rpc("lora_targets"))
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -91,12 +97,16 @@ class LLMEngine:
         return self.tokenizer
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
-                    arrival_time: float | None = None, add_special_tokens: bool = True) -> None:
+                    arrival_time: float | None = None, add_special_tokens: bool = True,
+                    lora_request: Any = None) -> None:
         """Validate and queue a request; raises ValueError for bad input (nothing is queued)."""
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id={request_id!r} is already in the engine")
+        if self.lora_registry.needs_check(lora_request):
+            self.add_lora(lora_request)
         core_request, text = self.processor.process(request_id, prompt, params, arrival_time=arrival_time,
-                                                    add_special_tokens=add_special_tokens)
+                                                    add_special_tokens=add_special_tokens,
+                                                    lora_request=lora_request)
         self.add_processed_request(core_request, text)
 
     def add_processed_request(self, core_request: EngineCoreRequest, text: str | None) -> None:
@@ -137,6 +147,27 @@ class LLMEngine:
                     self._tracker.finish(out.request_id, reason, now, stats)
             self._collector.record(None, stats)
         return request_outputs
+
+    # -- LoRA adapters (vLLM's LLMEngine methods) ---------------------------------------------
+    def add_lora(self, lora_request: Any) -> bool:
+        """Check an adapter against the model and read it into the workers' host caches;
+        ``ValueError`` for one this engine cannot run. False if it was loaded already."""
+        if not self.lora_registry.check(lora_request):
+            return False
+        return all(self.collective_rpc("add_lora", args=(lora_request,)))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Drop adapter ``lora_id`` from the workers (a later request reads it again)."""
+        if self.vllm_config.lora_config is None:
+            return False
+        self.lora_registry.forget(lora_id)
+        return any(self.collective_rpc("remove_lora", args=(lora_id,)))
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters the workers hold (host cache and slots)."""
+        if self.vllm_config.lora_config is None:
+            return set()
+        return set(self.collective_rpc("list_loras")[0])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block; False (nothing reset) while requests hold blocks."""

@@ -71,7 +71,9 @@ class Processor:
         *,
         arrival_time: float | None = None,
         add_special_tokens: bool = True,
+        lora_request: Any = None,
     ) -> tuple[EngineCoreRequest, str | None]:
+        """``lora_request`` must have passed the engine's ``LoRARegistry.check``."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         embeds = None
@@ -96,6 +98,7 @@ class Processor:
             sampling_params=params,
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             prompt_embeds=embeds,
+            lora_request=lora_request,
         )
         return request, text
 

@@ -46,8 +46,15 @@ class EngineClient(Protocol):
 
     # -- requests --------------------------------------------------------------------------------
     def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
-                 add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
-        """The request's outputs until it finishes; leaving early aborts it."""
+                 add_special_tokens: bool = True, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until it finishes; leaving early aborts it. ``lora_request``:
+        the ``LoRARequest`` of its adapter (None: the base model)."""
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        """Check (and register) a LoRA adapter; ``ValueError`` for one the engine cannot run."""
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Forget a LoRA adapter; False if it was not known."""
 
     def abort(self, request_id: str) -> None:
         """Stop a request now (synchronous: callable from ``finally`` blocks)."""

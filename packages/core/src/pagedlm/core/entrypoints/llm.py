@@ -77,8 +77,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of ``prompts``.
+
+        ``lora_request``: a ``LoRARequest`` for every prompt, or a list with one (or None: the base
+        model) per prompt; needs ``LLM(enable_lora=True)`` (docs/lora.md).
 
         A prompt is a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}`` or, with
         ``LLM(enable_prompt_embeds=True)``, ``{"prompt_embeds": tensor [num_tokens, hidden]}``. All prompts
@@ -99,7 +103,7 @@ class LLM:
                     f"sampling_params has {len(params_list)} entries but there are {len(prompts)} prompts; "
                     "pass one SamplingParams or one per prompt"
                 )
-        return self._run(prompts, params_list, use_tqdm=use_tqdm)
+        return self._run(prompts, params_list, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def chat(
         self,
@@ -109,6 +113,7 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations (OpenAI-style messages)."""
         from jinja2 import TemplateError
@@ -134,7 +139,7 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": list(token_ids)})
         if sampling_params is None:
             sampling_params = SamplingParams()
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def generate_streamed(
         self, prompts: Sequence[str], sampling_params: SamplingParams, *, stream: bool = True
@@ -179,13 +184,20 @@ class LLM:
             engine.abort_request([r for r in ids if r not in done])
 
     def _run(
-        self, prompts: list[PromptType], params_list: list[SamplingParams], *, use_tqdm: bool
+        self, prompts: list[PromptType], params_list: list[SamplingParams], *, use_tqdm: bool,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
+        from pagedlm.core.lora.frontend import as_lora_requests
+
         engine = self.llm_engine
+        loras = as_lora_requests(lora_request, len(prompts))
         # Validate everything first: a bad prompt must not leave half a batch queued.
+        for lora in loras:
+            if engine.lora_registry.needs_check(lora):
+                engine.add_lora(lora)
         processed = [
-            engine.processor.process(str(next(self._request_counter)), prompt, params)
-            for prompt, params in zip(prompts, params_list)
+            engine.processor.process(str(next(self._request_counter)), prompt, params, lora_request=lora)
+            for prompt, params, lora in zip(prompts, params_list, loras)
         ]
         for core_request, _ in processed:
             # Offline generation returns finished outputs only: no per-step RequestOutput copies.

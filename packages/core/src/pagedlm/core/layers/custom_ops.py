@@ -90,6 +90,20 @@ OP_CONTRACTS: Mapping[str, str] = MappingProxyType({
         "the layer's parameters (contiguous); no input is modified; no host synchronisation on devices that "
         "capture graphs."
     ),
+    # The batched LoRA update (pagedlm.core.lora.punica; API 1.2): the step's tokens grouped by slot.
+    "lora_shrink": (
+        "fn(x [T, K], lora_a [L, R, K] (rows contiguous), sorted_token_ids [>= T] int32, slot_starts [L] int32, "
+        "slot_counts [L] int32) -> [T, R] float32: out[t] = x[t] @ lora_a[s]^T (accumulated in float32) for every "
+        "token t = sorted_token_ids[slot_starts[s] + j], j < slot_counts[s], of every slot s; the other rows are "
+        "unspecified. No host synchronisation, and a launch that depends on the shapes only (CUDA graphs replay "
+        "it with new metadata)."
+    ),
+    "lora_expand": (
+        "fn(y [T, N] (a column slice of a wider output may be given), shrunk [T, R] float32, lora_b [L, N, R], "
+        "sorted_token_ids, slot_starts, slot_counts (as lora_shrink's), scale [L] float32) -> None: in place, "
+        "y[t] += (shrunk[t] @ lora_b[s]^T) * scale[s] for the tokens t of each slot s, summed in float32 and "
+        "rounded once to y's dtype; the other rows are unchanged. Same launch rules as lora_shrink."
+    ),
 })
 
 _NO_OPS: Mapping[str, LayerOp] = MappingProxyType({})

@@ -33,12 +33,21 @@ class EngineStatsSnapshot:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
     num_preemptions: int = 0
+    #: LoRA (vLLM's lora_requests_info): adapter name -> running / waiting requests; max_loras (0: off)
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    max_lora: int = 0
 
     @classmethod
     def from_engine_core(cls, core: EngineCore) -> EngineStatsSnapshot:
         sched = core.scheduler
         kv = sched.kv_cache_manager
+        gate = sched.lora_gate
+        lora = {} if gate is None else {"running_lora_adapters": gate.adapter_counts(sched.running),
+                                        "waiting_lora_adapters": gate.adapter_counts(sched.waiting),
+                                        "max_lora": gate.max_loras}
         return cls(
+            **lora,
             num_running_reqs=len(sched.running),
             num_waiting_reqs=len(sched.waiting),
             num_blocks=kv.num_blocks,

@@ -21,6 +21,8 @@ class NewRequestData:
     #: ``[num_prompt_tokens, hidden]`` CPU tensor when the prompt is given as embeddings
     #: (``prompt_token_ids`` are placeholders then)
     prompt_embeds: Any = None
+    #: the request's LoRA adapter (``pagedlm.core.lora.LoRARequest``), None: the base model
+    lora_request: Any = None
 
 
 @dataclass
@@ -96,3 +98,6 @@ class SchedulerStats:
     num_decode_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    #: LoRA adapter name -> requests running / waiting with it (vLLM's names; empty without LoRA)
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)

@@ -85,6 +85,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         async_scheduling: bool = False,
         pipeline_depth: int = 1,
+        max_loras: int | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self._no_block_ids: tuple[list[int], ...] = tuple([] for _ in kv_cache_manager.managers)
@@ -105,6 +106,12 @@ class Scheduler:
         #: a 1/pipeline_depth share of the running requests, so decodes split into batches that
         #: occupy every stage instead of one batch and idle stages.
         self.pipeline_depth = pipeline_depth
+        #: with LoRA: at most max_loras distinct adapters among running requests (pagedlm.core.lora)
+        self.lora_gate = None
+        if max_loras is not None:
+            from pagedlm.core.lora.scheduling import LoRAGate
+
+            self.lora_gate = LoRAGate(max_loras)
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -221,10 +228,16 @@ class Scheduler:
         cached.token_ids = [None] * num_cached_running
 
         # 2. waiting requests, FCFS.
+        lora_gate, lora_skipped = self.lora_gate, []
+        if lora_gate is not None:
+            lora_gate.begin(running)
         while not preempted and self.waiting and token_budget > 0 and len(running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.num_output_placeholders:
                 break  # preempted with a token in flight: it resumes once the token is back
+            if lora_gate is not None and not lora_gate.admits(request):
+                lora_skipped.append(self.waiting.popleft())  # its adapter would need one slot too many
+                continue
             computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_computed
             if num_new_tokens > token_budget:
@@ -238,6 +251,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             running.append(request)
+            if lora_gate is not None:
+                lora_gate.admit(request)
             if request.scheduled_time is None:
                 request.scheduled_time = time.time()
             if request.num_cached_tokens < 0:
@@ -259,6 +274,7 @@ class Scheduler:
                         block_ids=block_ids,
                         num_computed_tokens=num_computed,
                         prompt_embeds=request.prompt_embeds,
+                        lora_request=request.lora_request,
                     )
                 )
             request.status = RequestStatus.RUNNING
@@ -270,6 +286,8 @@ class Scheduler:
             if async_scheduling and request.num_computed_tokens >= request.num_tokens:
                 request.num_output_placeholders = 1
 
+        if lora_skipped:
+            self.waiting.extendleft(reversed(lora_skipped))
         total = self.max_num_batched_tokens - token_budget
         assert len(running) <= self.max_num_seqs
         output = SchedulerOutput(
@@ -394,6 +412,9 @@ class Scheduler:
             prefix_cache_queries=stats.num_queries_tokens,
             prefix_cache_hits=stats.num_hit_tokens,
         )
+        if self.lora_gate is not None:
+            self._last_stats.running_lora_adapters = self.lora_gate.adapter_counts(self.running)
+            self._last_stats.waiting_lora_adapters = self.lora_gate.adapter_counts(self.waiting)
 
     def make_stats(self) -> SchedulerStats:
         return self._last_stats

@@ -153,6 +153,8 @@ class ModelRunner:
         with custom_ops.use_ops(self.layer_ops):
             self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
+        #: the adapters' slots and per-step metadata (pagedlm.core.lora) when LoRA is enabled
+        self.lora_manager: Any = None
         self.attention_layers: dict = {}
         #: one tensor per cache slot (kv_cache/spec.py): layer j of every KV-cache group uses slot j
         self.kv_caches: list[torch.Tensor] = []
@@ -191,6 +193,11 @@ class ModelRunner:
     def load_model(self) -> None:
         with custom_ops.use_ops(self.layer_ops):
             self.model, self.attention_layers = load_model(self.vllm_config, self.attn_backend, self.device)
+        if self.vllm_config.lora_config is not None:
+            from pagedlm.core.lora.manager import LoRAModelManager
+
+            self.lora_manager = LoRAModelManager(self.model, self.vllm_config, self.device, layer_ops=self.layer_ops,
+                                                 pin_memory=self.platform.is_pin_memory_available())
         #: bytes of this rank's parameters (a tied tensor once)
         self.model_weight_bytes = _tensor_bytes(self.model)
         if self.vllm_config.model_config.enable_prompt_embeds and embedding_body(self.model) is None:
@@ -267,11 +274,15 @@ class ModelRunner:
         be run before that: tokens still on the device are fed to it there."""
         batch = self.input_batch
         batch.update(sched)
+        if self.lora_manager is not None:
+            self.lora_manager.update_requests(sched)
         if self.logitsprocs is not None:
             self.logitsprocs.update(batch.requests, batch.membership_version)
         if sched.total_num_scheduled_tokens == 0:
             return _done(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]), non_block)
         step = batch.prepare(sched)
+        if self.lora_manager is not None:
+            self.lora_manager.prepare_step(step.req_ids, step.num_scheduled)
         assert self.model is not None
         if get_pp_group().world_size == 1:
             hidden_states = self.run_model(step)

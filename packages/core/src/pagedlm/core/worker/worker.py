@@ -121,6 +121,32 @@ class Worker:
         assert self.model_runner is not None
         return self.model_runner.model
 
+    # -- LoRA adapters (vLLM's Worker methods; arguments may be msgpack values) -------------
+    def add_lora(self, lora_request: Any) -> bool:
+        """Read an adapter into this rank's host cache (``LoRARequest`` or its wire form)."""
+        from pagedlm.core.lora.request import LoRARequest
+
+        if not isinstance(lora_request, LoRARequest):
+            lora_request = LoRARequest.from_wire(lora_request)
+        return self._lora_manager().add_adapter(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora_manager().remove_adapter(int(lora_id))
+
+    def list_loras(self) -> list[int]:
+        return sorted(self._lora_manager().list_adapters())
+
+    def lora_targets(self) -> dict[str, list[int]]:
+        """HF module path -> [in, out] of every module an adapter may target on this rank."""
+        return self._lora_manager().targets
+
+    def _lora_manager(self) -> Any:
+        assert self.model_runner is not None
+        manager = getattr(self.model_runner, "lora_manager", None)
+        if manager is None:
+            raise ValueError("LoRA is not enabled: pass enable_lora=True (--enable-lora)")
+        return manager
+
     def check_health(self) -> None:
         """Returns if the worker can serve calls (the executor times the answer)."""
 
