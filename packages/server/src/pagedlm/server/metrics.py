@@ -80,9 +80,11 @@ class PrometheusStatLogger(StatLoggerBase):
         self.prefix_queries = counter("prefix_cache_queries", "Prefix cache queries, in terms of number of "
                                       "queried tokens.")
         self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
-        idle = [counter(name, "External (KV connector) prefix cache tokens: always 0, pagedlm has no KV connector.")
-                for name in ("external_prefix_cache_queries", "external_prefix_cache_hits")]
-        idle += [counter(name, "Multi-modal cache items: always 0, pagedlm serves text models.")
+        self.external_queries = counter("external_prefix_cache_queries", "External prefix cache queries from the "
+                                        "KV connector, in terms of number of queried tokens.")
+        self.external_hits = counter("external_prefix_cache_hits", "External prefix cache hits from the KV "
+                                     "connector, in terms of number of cached tokens.")
+        idle = [counter(name, "Multi-modal cache items: always 0, pagedlm serves text models.")
                  for name in ("mm_cache_queries", "mm_cache_hits")]
         # counters of tokens and requests
         self.preemptions = counter("num_preemptions", "Cumulative number of preemption from the engine.")
@@ -169,6 +171,9 @@ class PrometheusStatLogger(StatLoggerBase):
                 (self.prefix_queries, engine_stats.prefix_cache_queries, last.prefix_cache_queries),
                 (self.prefix_hits, engine_stats.prefix_cache_hits, last.prefix_cache_hits),
                 (self.preemptions, engine_stats.num_preemptions, last.num_preemptions),
+                (self.external_queries, engine_stats.external_prefix_cache_queries,
+                 last.external_prefix_cache_queries),
+                (self.external_hits, engine_stats.external_prefix_cache_hits, last.external_prefix_cache_hits),
             ):
                 # A total that went down was reset in the core: everything since counts.
                 delta = new - old if new >= old else new
