@@ -140,7 +140,7 @@ class PrometheusStatLogger(StatLoggerBase):
             self.preemptions, self.prompt_tokens, self.prompt_cached, self.generation_tokens, self.h_prompt,
             self.h_generation, self.h_iteration, self.h_max_generation, self.h_n, self.h_max_tokens, self.h_ttft,
             self.h_itl, self.h_tpot, self.h_e2e, self.h_queue, self.h_inference, self.h_prefill, self.h_decode,
-            self.h_preemptions, self.h_prefill_kv)}
+            self.h_preemptions, self.h_prefill_kv, self.external_queries, self.external_hits)}
         for metric in idle:
             metric.labels(**lbl)
         self.model_name = model_name

@@ -43,7 +43,7 @@ class KVConnectorRole(enum.Enum):
     WORKER = 1
 
 
-class KVConnectorMetadata:  # noqa: B903 - a marker base class, as vLLM's
+class KVConnectorMetadata:
     """What a connector's scheduler half sends its worker halves with one step."""
 
 
@@ -77,7 +77,7 @@ class KVConnectorOutput:
         return not (self.finished_sending or self.finished_recving or self.invalid_block_ids or self.failed_recving)
 
 
-class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
+class KVConnectorBase_V1(ABC):
     """Base class of KV connectors; one instance per role per process."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheInfo) -> None:

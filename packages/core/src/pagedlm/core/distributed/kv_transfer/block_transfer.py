@@ -16,7 +16,12 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pagedlm.core.distributed.kv_transfer.base import KVCacheInfo, KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from pagedlm.core.distributed.kv_transfer.base import (
+    KVCacheInfo,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 from pagedlm.core.kv_cache.block_hash import update_block_hashes
 
 if TYPE_CHECKING:

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pagedlm.core.distributed.kv_transfer.base import KVCacheInfo, KVConnectorBase_V1, KVConnectorOutput, KVConnectorRole
+from pagedlm.core.distributed.kv_transfer.base import (
+    KVCacheInfo,
+    KVConnectorBase_V1,
+    KVConnectorOutput,
+    KVConnectorRole,
+)
 from pagedlm.core.forward_context import ForwardContext
 
 if TYPE_CHECKING:
