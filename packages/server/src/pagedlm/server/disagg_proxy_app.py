@@ -19,6 +19,7 @@ def _prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     prefill["max_tokens"] = 1
     if chat and "max_completion_tokens" in prefill:
         prefill["max_completion_tokens"] = 1
+    prefill.pop("min_tokens", None)  # (the one token it makes is thrown away)
     prefill["stream"] = False
     prefill.pop("stream_options", None)
     prefill["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
