@@ -3,7 +3,7 @@
 Scheduler half: a consumer offers the blocks after the local hit that its store holds
 (``_count_available``), loaded asynchronously; a producer exports a finished request's full
 prompt blocks (``_export_indices``), keeping them allocated until its workers copied them out.
-Worker half: in ``start_load_kv`` it copies exports out (``_store``) and loads in (``_load``);
+Worker half: in ``start_load_kv`` it copies exports out (``_export`` / ``_store``) and loads in (``_load``);
 loads report the blocks that did not arrive as invalid, so the scheduler recomputes from there.
 
 NOTE: blocks are identified by the chained hash of their tokens (kv_cache/block_hash.py) plus
@@ -157,9 +157,7 @@ class BlockTransferConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         if isinstance(meta, BlockTransferMetadata):
             for export in meta.exports:
-                # NOTE: the blocks stay allocated until this request is reported sent
-                self._store(export, self._io.gather(export.block_ids))
-                self._done_sending.add(export.req_id)
+                self._export(export)
             for load in meta.loads:
                 self._load(load)
         self._poll(idle=bool(kwargs.get("idle")))
@@ -172,6 +170,13 @@ class BlockTransferConnector(KVConnectorBase_V1):
             self._io.scatter(load.block_ids[:num_valid], records[:num_valid])
         self._invalid_block_ids.update(load.block_ids[num_valid:])
         self._done_recving.add(load.req_id)
+
+    def _export(self, export: BlockExport) -> None:
+        """Copy the export's blocks out (``_store``) and report it sent. NOTE: the blocks stay
+        allocated until the request is reported in ``finished_sending``."""
+        assert self._io is not None
+        self._store(export, self._io.gather(export.block_ids))
+        self._done_sending.add(export.req_id)
 
     def _store(self, export: BlockExport, records: torch.Tensor) -> None:
         raise NotImplementedError

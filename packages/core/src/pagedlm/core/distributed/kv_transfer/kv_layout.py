@@ -7,7 +7,9 @@ Connectors store and ship records; only this module knows where a block sits in 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -66,3 +68,32 @@ class PagedBlockIO:
             part = data[:, offset:offset + nbytes].contiguous().view(cache.dtype).reshape(n, *per_block)
             cache.index_copy_(self.block_dim, idx, part.movedim(0, self.block_dim))
             offset += nbytes
+
+
+class SideStream:
+    """Block copies on a thread beside the engine's: on CUDA a stream of their own that first
+    waits for what the engine's stream had queued at :meth:`mark`; on the CPU plain calls (the
+    engine's ops are done by the time it returns to the host)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def mark(self) -> Any:
+        """A point in the engine stream's work (call on the engine's thread)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    @contextlib.contextmanager
+    def after(self, mark: Any) -> Iterator[None]:
+        """Run the block's copies after ``mark``; they are complete when it exits."""
+        if self.stream is None:
+            yield
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            self.stream.wait_event(mark)
+            yield
+            self.stream.synchronize()

@@ -1,12 +1,12 @@
-"""The P2P connector's wire: a producer serves finished requests' KV blocks from host memory
-over ZMQ/TCP, a consumer pulls them.
+"""The P2P connector's wire: a producer answers pulls of finished requests' KV blocks over
+ZMQ/TCP, a consumer pulls them.
 
 Request (one frame, JSON): ``{"op": "pull", "request_id", "fingerprint", "block_hashes": [hex]}``
 (the blocks the consumer wants, from the first one it lacks). Reply: a JSON header, then for
 ``"status": "ok"`` one frame of ``num_blocks * bytes_per_block`` bytes: the records of the longest
 prefix of the wanted blocks whose hashes match what the producer holds (a different prompt
 matches nothing). ``"unknown"``: the producer holds nothing under that id (not exported yet,
-or expired).
+pulled already, or expired).
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,81 +25,28 @@ logger = init_logger(__name__)
 
 _POLL_MS = 100
 
-
-@dataclass
-class _Entry:
-    block_hashes: list[str]
-    records: torch.Tensor  # [n, bytes_per_block] uint8
-    expires_at: float
+#: ``(request_id, wanted block hashes as hex) -> records [n, bytes_per_block] uint8, or None``
+Lookup = Callable[[str, list[str]], "torch.Tensor | None"]
 
 
-class HostKVBuffer:
-    """Finished requests' block records, held until pulled or until their lease runs out, within
-    ``capacity_bytes`` (the oldest go first)."""
-
-    def __init__(self, capacity_bytes: int, lease_s: float) -> None:
-        self.capacity_bytes = capacity_bytes
-        self.lease_s = lease_s
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def put(self, request_id: str, block_hashes: list[bytes], records: torch.Tensor) -> None:
-        size = records.numel()
-        with self._lock:
-            self._expire(time.monotonic())
-            if size > self.capacity_bytes:
-                logger.warning("request %s: its KV (%d bytes) exceeds the P2P buffer (kv_buffer_size=%d); the decode "
-                               "instance will recompute it", request_id, size, self.capacity_bytes)
-                return
-            while self._bytes + size > self.capacity_bytes and self._entries:
-                _, old = self._entries.popitem(last=False)
-                self._bytes -= old.records.numel()
-            self._entries[request_id] = _Entry([h.hex() for h in block_hashes], records,
-                                               time.monotonic() + self.lease_s)
-            self._bytes += size
-
-    def take(self, request_id: str, wanted: list[str]) -> torch.Tensor | None:
-        """The records of the longest matching prefix of ``wanted`` (the entry is dropped: one
-        consumer per request), or None when nothing is held under ``request_id``."""
-        with self._lock:
-            self._expire(time.monotonic())
-            entry = self._entries.pop(request_id, None)
-            if entry is None:
-                return None
-            self._bytes -= entry.records.numel()
-        offset = _find_start(entry.block_hashes, wanted)
-        count = 0
-        while offset >= 0 and count < len(wanted) and offset + count < len(entry.block_hashes) \
-                and entry.block_hashes[offset + count] == wanted[count]:
-            count += 1
-        return entry.records[offset:offset + count] if offset >= 0 else entry.records[:0]
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
-
-    def _expire(self, now: float) -> None:
-        for request_id in [r for r, e in self._entries.items() if e.expires_at <= now]:
-            self._bytes -= self._entries.pop(request_id).records.numel()
-
-
-def _find_start(held: list[str], wanted: list[str]) -> int:
-    if not wanted:
-        return -1
-    try:
-        return held.index(wanted[0])
-    except ValueError:
-        return -1
+def matching_prefix(held: list[str], wanted: list[str]) -> tuple[int, int]:
+    """(index in ``held`` of ``wanted[0]``, how many of ``wanted`` follow it there); (0, 0) if none."""
+    if not wanted or wanted[0] not in held:
+        return 0, 0
+    start = held.index(wanted[0])
+    count = 0
+    while count < len(wanted) and start + count < len(held) and held[start + count] == wanted[count]:
+        count += 1
+    return start, count
 
 
 class KVBlockServer:
-    """A thread answering pulls from ``buffer`` on ``tcp://host:port``."""
+    """A thread answering pulls on ``tcp://host:port`` with ``lookup``."""
 
-    def __init__(self, host: str, port: int, buffer: HostKVBuffer, fingerprint: str, bytes_per_block: int) -> None:
+    def __init__(self, host: str, port: int, lookup: Lookup, fingerprint: str, bytes_per_block: int) -> None:
         import zmq
 
-        self.buffer = buffer
+        self.lookup = lookup
         self.fingerprint = fingerprint
         self.bytes_per_block = bytes_per_block
         self._context = zmq.Context()
@@ -144,7 +90,7 @@ class KVBlockServer:
         if request.get("fingerprint") != self.fingerprint:
             return {"status": "error", "detail": "the two instances' KV layouts differ (model, dtype or block "
                                                  "size)"}, None
-        records = self.buffer.take(str(request["request_id"]), list(request["block_hashes"]))
+        records = self.lookup(str(request["request_id"]), [str(h) for h in request["block_hashes"]])
         if records is None:
             return {"status": "unknown"}, None
         return ({"status": "ok", "num_blocks": int(records.shape[0]), "bytes_per_block": self.bytes_per_block},
@@ -183,17 +129,18 @@ def pull_blocks(address: str, request_id: str, fingerprint: str, block_hashes: l
             if not sock.poll(wait_ms):
                 raise PullError(f"no answer from the KV producer at {address} within {timeout_s:g}s (is the prefill "
                                 "instance running?)")
-            frames = sock.recv_multipart()
+            frames = sock.recv_multipart(copy=False)
         finally:
             sock.close()
-        reply = json.loads(frames[0])
+        reply = json.loads(frames[0].bytes)
         status = reply.get("status")
         if status == "ok":
             num_blocks = int(reply["num_blocks"])
             if int(reply["bytes_per_block"]) != bytes_per_block or len(frames) < 2 or \
-                    len(frames[1]) != num_blocks * bytes_per_block:
+                    len(frames[1].buffer) != num_blocks * bytes_per_block:
                 raise PullError(f"the KV producer at {address} sent blocks of another size")
-            return torch.frombuffer(bytearray(frames[1]), dtype=torch.uint8).reshape(num_blocks, bytes_per_block)
+            data = torch.frombuffer(bytearray(frames[1].buffer), dtype=torch.uint8)
+            return data.reshape(num_blocks, bytes_per_block)
         if status == "unknown":
             if time.monotonic() >= grace_end:
                 return torch.empty((0, bytes_per_block), dtype=torch.uint8)
