@@ -56,7 +56,8 @@ class _Proxy:
 def disagg(start_server, tiny_llama, tmp_path_factory):
     common = ("--max-model-len", "512", "--served-model-name", "tiny-llama")
     prefill = start_server(tiny_llama, *common, "--kv-transfer-config", _p2p("kv_producer", free_port()))
-    decode = start_server(tiny_llama, *common, "--kv-transfer-config", _p2p("kv_consumer", free_port()))
+    decode = start_server(tiny_llama, *common, "--enable-prompt-tokens-details",
+                          "--kv-transfer-config", _p2p("kv_consumer", free_port()))
     proxy = _Proxy(prefill.url, decode.url, tmp_path_factory.mktemp("proxy") / "proxy.log")
     yield prefill, decode, proxy
     proxy.stop()
@@ -86,7 +87,9 @@ def test_proxy_matches_one_instance_concurrently_streaming_included(server, disa
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         got = list(pool.map(lambda job: _complete(proxy.url, *job)[0], jobs))
     assert got == [expected[PROMPTS.index(p)] for p, _ in jobs]
-    # the decode instance loaded the prompts' KV instead of computing it
+    # the decode instance loaded the prompts' KV instead of computing it, and says so
+    _, cached = _complete(proxy.url, PROMPTS[2] + " once more", stream=False)
+    assert cached is not None and cached >= 16
     metrics = decode.metrics()
     assert metrics["pagedlm:external_prefix_cache_hits_total"] >= 16 * len(PROMPTS)
     with _client(proxy.url) as client:
