@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -139,7 +140,11 @@ def pull_blocks(address: str, request_id: str, fingerprint: str, block_hashes: l
             if int(reply["bytes_per_block"]) != bytes_per_block or len(frames) < 2 or \
                     len(frames[1].buffer) != num_blocks * bytes_per_block:
                 raise PullError(f"the KV producer at {address} sent blocks of another size")
-            data = torch.frombuffer(bytearray(frames[1].buffer), dtype=torch.uint8)
+            with warnings.catch_warnings():
+                # NOTE: read-only, and only read (copied into the paged cache); the tensor keeps
+                # the frame's buffer alive. No copy of a request's whole KV on the host.
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                data = torch.frombuffer(frames[1].buffer, dtype=torch.uint8)
             return data.reshape(num_blocks, bytes_per_block)
         if status == "unknown":
             if time.monotonic() >= grace_end:
