@@ -137,3 +137,18 @@ def test_proxy_names_a_dead_prefill_instance(disagg):
         assert time.monotonic() - start < 3 + 10
         assert r.status_code == 502 and f"prefill instance at {dead}" in r.json()["error"]["message"]
         assert proxy.post("/v1/completions", content=b"not json").status_code == 400
+
+
+@pytest.mark.parametrize("params", [{"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": "abc",
+                                     "remote_request_id": "x", "remote_num_blocks": 4},
+                                    {"do_remote_prefill": True, "remote_num_blocks": -1}])
+def test_malformed_kv_transfer_params_compute_the_prompt_here(server, disagg, params):
+    _, decode, _ = disagg
+    body = {"model": "tiny-llama", "prompt": PROMPTS[0] + " again", "max_tokens": 6, "temperature": 0}
+    r = httpx.post(decode.url + "/v1/completions", headers=decode.headers, timeout=60,
+                   json={**body, "kv_transfer_params": params})
+    alone = httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=60, json=body)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
+    bad = httpx.post(decode.url + "/v1/completions", headers=decode.headers, timeout=60,
+                     json={**body, "kv_transfer_params": "not an object"})
+    assert bad.status_code == 400 and "kv_transfer_params" in bad.text

@@ -62,6 +62,22 @@ def _params(request: Request) -> dict[str, Any]:
     return params if isinstance(params, dict) else {}
 
 
+def _remote_source(params: dict[str, Any]) -> dict[str, Any] | None:
+    """Where the producer serves the request's KV, from its kv_transfer_params; None when they
+    do not say it properly (the request then computes its prompt)."""
+    host, port = params.get("remote_host"), params.get("remote_port")
+    request_id, num_blocks = params.get("remote_request_id"), params.get("remote_num_blocks", 0)
+    if not isinstance(host, str) or not host or any(c in host for c in "/ :") and not host.startswith("["):
+        return None
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        return None
+    if not isinstance(request_id, str | int) or isinstance(request_id, bool):
+        return None
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+        return None
+    return {"address": f"tcp://{host}:{port}", "request_id": str(request_id), "num_blocks": num_blocks}
+
+
 def _positive(cfg: Any, key: str, default: float) -> float:
     value = cfg.get_from_extra_config(key, default)
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
@@ -99,23 +115,21 @@ class P2pConnector(BlockTransferConnector):
         params = _params(request)
         if not params.get("do_remote_prefill") or request.request_id in self._pulled:
             return 0
-        for key in ("remote_host", "remote_port", "remote_request_id"):
-            if params.get(key) is None:
-                logger.warning("request %s: kv_transfer_params lack %r; computing its prompt here",
-                               request.request_id, key)
-                return 0
+        source = _remote_source(params)
+        if source is None:
+            logger.warning("request %s: kv_transfer_params %r do not name a producer (remote_host, remote_port, "
+                           "remote_request_id, remote_num_blocks); computing its prompt here", request.request_id,
+                           params)
+            return 0
         if params.get("remote_block_size", self.block_size) != self.block_size:
             logger.warning("request %s: the producer's block_size %s differs from this instance's %d; computing its "
                            "prompt here", request.request_id, params.get("remote_block_size"), self.block_size)
             return 0
-        remote = int(params.get("remote_num_blocks", limit))
-        return max(min(remote, limit) - first, 0)
+        return max(min(source["num_blocks"], limit) - first, 0)
 
-    def _load_source(self, request: Request) -> dict[str, Any]:
-        params = _params(request)
+    def _load_source(self, request: Request) -> dict[str, Any] | None:
         self._pulled.add(request.request_id)
-        return {"address": f"tcp://{params['remote_host']}:{int(params['remote_port'])}",
-                "request_id": str(params["remote_request_id"])}
+        return _remote_source(_params(request))
 
     def _export_indices(self, request: Request, num_full_blocks: int) -> list[int]:
         return list(range(num_full_blocks)) if _params(request).get("do_remote_decode") else []
