@@ -183,3 +183,17 @@ def test_model_config_with_dummy_weights(tmp_path):
              tmp_path / "q.json")
     assert r["engine"]["model"] == "qwen3-0.6b" and r["engine"]["load_format"] == "dummy"
     assert r["engine"]["max_model_len"] == 16 and r["total_output_tokens"] == 4
+
+
+def test_prefix_offload_tier_on_vs_off(tiny_llama, tmp_path):
+    # 4 prefixes of 4 blocks each cycle through a 12-block device cache one request at a time: each
+    # is evicted before its second use, so without the tier nothing hits and with it all 4 come back
+    r = _run(["bench", "prefix", "--model", tiny_llama, *CPU, "--num-prompts", "8", "--num-prefixes", "4",
+              "--prefix-len", "64", "--suffix-len", "8", "--output-len", "2", "--num-gpu-blocks-override", "12",
+              "--max-model-len", "128", "--max-num-seqs", "1", "--kv-offload-gib", "0.01"], tmp_path / "p.json")
+    tier, no_tier = r["offload_tier_on"], r["caching_on"]
+    assert tier["offload_tier"] and not no_tier["offload_tier"]
+    assert no_tier["cached_prompt_tokens"] == 0 and no_tier["prefill_tokens_computed"] == 576
+    assert tier["offload_tier_hit_tokens"] == tier["cached_prompt_tokens"] == 4 * 64
+    assert tier["prefill_tokens_computed"] == 576 - 256 and tier["hit_rate"] > no_tier["hit_rate"]
+    assert r["offload_prefill_tokens_saved"] == 256

@@ -524,6 +524,8 @@ class VllmConfig(_Freezable):
     usage_context: str = "llm"
     # Extra knobs for third-party plugins, namespaced by plugin name.
     additional_config: dict[str, Any] = field(default_factory=dict)
+    #: the KV connector (``pagedlm.core.distributed.kv_transfer.KVTransferConfig``), or None
+    kv_transfer_config: Any = None
 
     def __post_init__(self) -> None:
         mc = self.model_config
@@ -568,6 +570,10 @@ class VllmConfig(_Freezable):
         else:
             self.scheduler_config.finalize(self.scheduler_config.max_model_len)
         self._resolve_async_scheduling(platform.supports_async_scheduling)
+        if self.kv_transfer_config is not None:
+            from pagedlm.core.distributed.kv_transfer.factory import check_kv_transfer_config
+
+            check_kv_transfer_config(self)
         platform.check_and_update_config(self)
         get_plugins().check_and_update_config(self)
         self.freeze()

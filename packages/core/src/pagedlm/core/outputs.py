@@ -52,3 +52,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     extra: dict = field(default_factory=dict)
+    #: the KV connector's parameters for another instance (disaggregated prefill: where the decode
+    #: instance pulls this request's KV from), on the finished output; vLLM's field
+    kv_transfer_params: dict | None = None

@@ -82,9 +82,11 @@ class PrometheusStatLogger(StatLoggerBase):
         self.prefix_queries = counter("prefix_cache_queries", "Prefix cache queries, in terms of number of "
                                       "queried tokens.")
         self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
-        idle = [counter(name, "External (KV connector) prefix cache tokens: always 0, pagedlm has no KV connector.")
-                for name in ("external_prefix_cache_queries", "external_prefix_cache_hits")]
-        idle += [counter(name, "Multi-modal cache items: always 0, pagedlm serves text models.")
+        self.external_queries = counter("external_prefix_cache_queries", "External prefix cache queries from the "
+                                        "KV connector, in terms of number of queried tokens.")
+        self.external_hits = counter("external_prefix_cache_hits", "External prefix cache hits from the KV "
+                                     "connector, in terms of number of cached tokens.")
+        idle = [counter(name, "Multi-modal cache items: always 0, pagedlm serves text models.")
                  for name in ("mm_cache_queries", "mm_cache_hits")]
         # counters of tokens and requests
         self.preemptions = counter("num_preemptions", "Cumulative number of preemption from the engine.")
@@ -140,7 +142,7 @@ class PrometheusStatLogger(StatLoggerBase):
             self.preemptions, self.prompt_tokens, self.prompt_cached, self.generation_tokens, self.h_prompt,
             self.h_generation, self.h_iteration, self.h_max_generation, self.h_n, self.h_max_tokens, self.h_ttft,
             self.h_itl, self.h_tpot, self.h_e2e, self.h_queue, self.h_inference, self.h_prefill, self.h_decode,
-            self.h_preemptions, self.h_prefill_kv)}
+            self.h_preemptions, self.h_prefill_kv, self.external_queries, self.external_hits)}
         for metric in idle:
             metric.labels(**lbl)
         self.model_name = model_name
@@ -171,6 +173,9 @@ class PrometheusStatLogger(StatLoggerBase):
                 (self.prefix_queries, engine_stats.prefix_cache_queries, last.prefix_cache_queries),
                 (self.prefix_hits, engine_stats.prefix_cache_hits, last.prefix_cache_hits),
                 (self.preemptions, engine_stats.num_preemptions, last.num_preemptions),
+                (self.external_queries, engine_stats.external_prefix_cache_queries,
+                 last.external_prefix_cache_queries),
+                (self.external_hits, engine_stats.external_prefix_cache_hits, last.external_prefix_cache_hits),
             ):
                 # A total that went down was reset in the core: everything since counts.
                 delta = new - old if new >= old else new

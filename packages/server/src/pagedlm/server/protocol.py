@@ -112,6 +112,9 @@ class SamplingFields(OpenAIModel):
     use_beam_search: bool | None = Field(None, description="vLLM's beam search: not supported (must be false)")
     return_tokens_as_token_ids: bool | None = Field(
         None, description="write the tokens of logprobs as 'token_id:<id>' (for tokens that are not valid text alone)")
+    kv_transfer_params: dict[Text, Any] | None = Field(
+        None, description="KV-transfer parameters for the engine's KV connector (disaggregated prefill: what a "
+                          "prefill instance's response returned, passed to the decode instance)")
     truncation_side: Literal["left", "right"] | None = Field(
         None, description="with truncate_prompt_tokens: 'right' keeps the first tokens, 'left' the last (default: "
                           "the tokenizer's side, else 'right')")

@@ -237,12 +237,15 @@ class _ChatBuilder:
         } for c in out.outputs]
         num_generated = sum(len(c.token_ids) for c in out.outputs)
         # vLLM's extensions are always there, null unless asked for
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+        body = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": choices,
                 "usage": self.state.usage(len(out.prompt_token_ids), num_generated, out.num_cached_tokens),
                 "prompt_logprobs": (prompt_logprobs_body(self.tokenizer, out.prompt_logprobs)
                                     if self.prompt_logprobs else None),
                 "prompt_token_ids": list(out.prompt_token_ids) if self.return_ids else None}
+        if out.kv_transfer_params is not None:  # a KV connector's (a prefill instance's): vLLM's field
+            body["kv_transfer_params"] = out.kv_transfer_params
+        return body
 
     def _chunk(self, choices: list[dict[str, Any]], include_usage: bool) -> dict[str, Any]:
         body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,

@@ -229,6 +229,8 @@ def make_sampling_params(req: SamplingFields, *, max_tokens: int | None, logprob
         skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
     )
+    if req.kv_transfer_params is not None:  # the KV connector reads them there, as vLLM's
+        kwargs["extra_args"] = {"kv_transfer_params": req.kv_transfer_params}
     if isinstance(req.stop, list) and len(req.stop) > 64:
         raise APIError(f"stop has {len(req.stop)} strings; at most 64 are allowed", param="stop")
     try:

@@ -273,6 +273,9 @@ class _Builder:
                                 "token_ids": list(c.token_ids) if self.return_ids else None})
         body = self._envelope(sorted(choices, key=lambda c: c["index"]))
         body["usage"] = self.state.usage(num_prompt, num_generated, num_cached)
+        kv_params = next((o.kv_transfer_params for o in outputs if o.kv_transfer_params is not None), None)
+        if kv_params is not None:  # a KV connector's (a prefill instance's): vLLM's field
+            body["kv_transfer_params"] = kv_params
         return body
 
     # -- streaming ----------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedlm.core.distributed.kv_transfer.worker_step import get_active_kv_connector
 from pagedlm.core.forward_context import get_build_context, get_forward_context
 
 
@@ -82,6 +83,9 @@ class Attention(nn.Module):
         metadata = get_forward_context().attn_metadata
         if type(metadata) is list:  # one metadata per KV-cache group
             metadata = metadata[self.kv_cache_group_id]
+        connector = get_active_kv_connector()
+        if connector is not None:  # KV transfer (kv_transfer_config): layer-by-layer loads
+            connector.wait_for_layer_load(self.layer_name)
         out = self.impl.forward(
             query.view(num_tokens, self.num_heads, self.head_size),
             key.view(num_tokens, self.num_kv_heads, self.head_size),
@@ -89,4 +93,6 @@ class Attention(nn.Module):
             self.kv_cache,
             metadata,
         )
+        if connector is not None:
+            connector.save_kv_layer(self.layer_name, self.kv_cache, metadata)
         return out.reshape(num_tokens, self.num_heads * self.head_size)

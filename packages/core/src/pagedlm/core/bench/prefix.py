@@ -7,6 +7,11 @@ For each run: wall time, prompt tokens submitted, prompt tokens actually compute
 from the engine's per-step stats; preempted requests count again), tokens served from the cache,
 and the hit rate. With caching, each prefix is computed about once: the first request to reach it
 computes it and every later one (even in the same step) reuses its blocks.
+
+With ``--kv-offloading-size GIB`` (``--kv-offload-gib``) a third run is made: caching on with the
+host-memory offload tier (OffloadingConnector) beside caching on without it, so that a workload
+whose prefixes exceed the device cache (``--num-gpu-blocks-override`` makes it small) shows what
+the tier keeps: its hit rate counts blocks brought back from host memory.
 """
 
 from __future__ import annotations
@@ -40,15 +45,19 @@ def run(args: argparse.Namespace) -> int:
     return common.run_offline(args, args.prefix_len + args.suffix_len + args.output_len, measure, _print)
 
 
-def _one_run(setup: common.EngineSetup, workload: Any, *, caching: bool, vocab: int) -> tuple[dict[str, Any], Any]:
+def _one_run(setup: common.EngineSetup, workload: Any, *, caching: bool, vocab: int,
+             offload: bool = False) -> tuple[dict[str, Any], Any]:
     t_init = time.perf_counter()
-    llm = setup.build(enable_prefix_caching=caching)
+    tier = {} if offload else {"kv_offloading_size": None}
+    llm = setup.build(enable_prefix_caching=caching, **tier)
     init_s = time.perf_counter() - t_init
     engine = common.engine_summary(llm, setup)
     common.warm_up(llm, vocab)
     kv = llm.llm_engine.core.scheduler.kv_cache_manager
     llm.reset_prefix_cache()  # the warm-up's blocks must not count as hits
     kv.reset_prefix_cache_stats()
+    kvt = llm.llm_engine.core.scheduler.kv_transfer
+    external_before = kvt.stats.num_hit_tokens if kvt is not None else 0
     recorder = StepRecorder(llm)
     recorder.restart_clock()
     start = time.perf_counter()
@@ -63,6 +72,8 @@ def _one_run(setup: common.EngineSetup, workload: Any, *, caching: bool, vocab: 
     cached = sum(o.num_cached_tokens for o in outputs)
     result = {
         "enable_prefix_caching": caching,
+        "offload_tier": offload,
+        "offload_tier_hit_tokens": (kvt.stats.num_hit_tokens - external_before) if kvt is not None else 0,
         "engine": engine,
         "init_s": init_s,
         "elapsed_s": elapsed,
@@ -89,6 +100,9 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
     workload = prefix_workload(num_prompts=args.num_prompts, num_prefixes=args.num_prefixes,
                                prefix_len=args.prefix_len, suffix_len=args.suffix_len, output_len=args.output_len,
                                seed=args.workload_seed, vocab_size=vocab)
+    tier = None
+    if setup.kwargs.get("kv_offloading_size"):
+        tier, _ = _one_run(setup, workload, caching=True, vocab=vocab, offload=True)
     on, on_samples = _one_run(setup, workload, caching=True, vocab=vocab)
     off, off_samples = _one_run(setup, workload, caching=False, vocab=vocab)
     result: dict[str, Any] = {
@@ -101,6 +115,9 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
         "prefill_reduction": (1.0 - on["prefill_tokens_computed"] / off["prefill_tokens_computed"]
                               if off["prefill_tokens_computed"] else 0.0),
     }
+    if tier is not None:
+        result["offload_tier_on"] = tier
+        result["offload_prefill_tokens_saved"] = on["prefill_tokens_computed"] - tier["prefill_tokens_computed"]
     if args.kv_timeline:
         e = on["engine"]
         p = workload.params
@@ -124,16 +141,20 @@ def _print(r: dict[str, Any]) -> None:
                 f"{x['cached_prompt_tokens']:,} from cache (hit rate {x['hit_rate']:.1%}), "
                 f"{x['num_preemptions']} preemptions")
 
+    tier = r.get("offload_tier_on")
     rows = [
         ("model", f"{e['model']} ({e['device']}, {e['dtype']}, load_format={e['load_format']})"),
         ("workload", f"{p['num_prompts']} requests, {p['num_prefixes']} prefixes x {p['prefix_len']} + "
                      f"{p['suffix_len']} own tokens, {p['output_len']} out "
                      f"({w['total_input_tokens']:,} prompt tokens)"),
-        ("caching on", line(on)),
+        *([("caching on + offload tier", line(tier) + f", {tier['offload_tier_hit_tokens']:,} from host memory"),
+           ("caching on, no tier", line(on))] if tier else [("caching on", line(on))]),
         ("caching off", line(off)),
         ("speedup (off / on)", f"{r['speedup']:.2f}x"),
         ("prefill tokens saved", f"{r['prefill_tokens_saved']:,} ({r['prefill_reduction']:.1%})"),
     ]
+    if tier:
+        rows.append(("saved by the tier", f"{r['offload_prefill_tokens_saved']:,} prefill tokens"))
     if "kv_timeline" in r:
         rows.append(("KV timeline", f"{r['kv_timeline']['png']} (+ {r['kv_timeline']['json']})"))
     common.print_table("pagedlm bench prefix", rows)

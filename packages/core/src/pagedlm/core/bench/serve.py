@@ -14,7 +14,9 @@ Goodput counts the requests per second that succeeded within every ``--goodput``
 Bounded: ``--num-prompts`` requests at most, nothing new after ``--max-duration`` seconds (requests
 still running then are cancelled and counted), ``--request-timeout`` per request. Loopback only:
 the target host must resolve to 127.0.0.0/8 or ::1. ``--launch`` starts ``pagedlm serve`` itself on
-a free loopback port with the engine options given here, and stops it afterwards.
+a free loopback port with the engine options given here, and stops it afterwards;
+``--launch-disagg`` starts a prefill and a decode instance with those options (P2pConnector) and
+``pagedlm disagg-proxy`` in front of them, and measures through the proxy (bench/disagg_launch.py).
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (loopback only)")
     p.add_argument("--launch", action="store_true",
                    help="start `pagedlm serve` on a free loopback port with the engine options below")
+    p.add_argument("--launch-disagg", action="store_true",
+                   help="start a prefill and a decode `pagedlm serve` (P2pConnector) and `pagedlm disagg-proxy` with "
+                        "the engine options given here, measure through the proxy, stop them afterwards")
     p.add_argument("--launch-timeout", type=float, default=600.0, help="seconds to wait for a launched server")
     p.add_argument("--served-model", default=None, help="model name to send (default: the server's first model)")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrival rate, requests/s")
@@ -122,27 +127,42 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-concurrency must be >= 1 (got {args.max_concurrency})")
     slos = parse_goodput(args.goodput)
     args.metric_percentiles = parse_percentiles(args.metric_percentiles)
-    setup = common.EngineSetup(args) if (args.launch or args.model or args.model_config) else None
-    proc = None
+    if args.launch and args.launch_disagg:
+        raise ValueError("pass --launch or --launch-disagg, not both")
+    launching = args.launch or args.launch_disagg
+    setup = common.EngineSetup(args) if (launching or args.model or args.model_config) else None
+    procs: list[subprocess.Popen] = []
     try:
         vocab = args.vocab_size or (setup.vocab_size() if setup else 10001)
         # sharegpt-like shortens requests to the context: the given one, else the model's (up to 2048)
         context = args.max_model_len or (min(2048, setup.model_max_len()) if setup else None)
         workload = workload_from_args(args, vocab_size=vocab, max_model_len=context)
         base_url = args.base_url.rstrip("/")
-        if args.launch:
+        if launching:
             assert setup is not None
             if setup.kwargs.get("max_model_len") is None:
                 setup.kwargs["max_model_len"] = min(setup.model_max_len(), _round_up(workload.max_total_len, 16))
+        if args.launch:
             proc, base_url = _launch(setup, args)
+            procs.append(proc)
+        elif args.launch_disagg:
+            from pagedlm.core.bench.disagg_launch import launch_disagg
+
+            def start(tail: list[str], what: str) -> tuple[subprocess.Popen, str]:
+                started = _start(args, tail, what)
+                procs.append(started[0])
+                return started
+
+            _, base_url = launch_disagg(_engine_flags(setup.kwargs), start, _free_port, setup.kwargs)
         check_loopback(base_url)
         result = asyncio.run(_bench(args, workload, base_url, slos))
     finally:
-        if proc is not None:
+        for proc in reversed(procs):  # the proxy first
             _stop(proc)
         if setup is not None:
             setup.cleanup()
     result["launched_server"] = bool(args.launch)
+    result["launched_disagg"] = bool(args.launch_disagg)
     _print(result)
     common.finish(result, args.output_json)
     return 0
@@ -171,15 +191,21 @@ def _engine_flags(kwargs: dict[str, Any]) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + name.replace("_", "-"))
+        elif isinstance(value, dict):  # JSON options (--kv-transfer-config, --hf-overrides, ...)
+            flags += [flag, json.dumps(value)]
         else:
             flags += [flag, str(value)]
     return flags
 
 
 def _launch(setup: common.EngineSetup, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    return _start(args, ["serve", *_engine_flags(setup.kwargs)], "`pagedlm serve`")
+
+
+def _start(args: argparse.Namespace, tail: list[str], what: str) -> tuple[subprocess.Popen, str]:
+    """``pagedlm TAIL --host 127.0.0.1 --port FREE`` in the background, once it answers /v1/models."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "pagedlm.core.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           *_engine_flags(setup.kwargs)]
+    cmd = [sys.executable, "-m", "pagedlm.core.cli", *tail, "--host", "127.0.0.1", "--port", str(port)]
     log_path = os.path.join(tempfile.gettempdir(), f"pagedlm-bench-serve-{port}.log")
     print("launching: " + " ".join(cmd), file=sys.stderr)
     log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - lives as long as the server
@@ -192,12 +218,12 @@ def _launch(setup: common.EngineSetup, args: argparse.Namespace) -> tuple[subpro
             log.close()
             with open(log_path, encoding="utf-8") as f:
                 tail = f.read()[-3000:]
-            raise ValueError(f"`pagedlm serve` exited with code {proc.returncode} before answering:\n{tail}")
+            raise ValueError(f"{what} exited with code {proc.returncode} before answering:\n{tail}")
         if _http_ok(base_url + "/v1/models"):
             return proc, base_url
         time.sleep(0.5)
     _stop(proc)
-    raise ValueError(f"`pagedlm serve` did not answer on {base_url} within {args.launch_timeout:.0f}s "
+    raise ValueError(f"{what} did not answer on {base_url} within {args.launch_timeout:.0f}s "
                      f"(log: {log_path})")
 
 

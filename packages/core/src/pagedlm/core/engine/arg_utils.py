@@ -22,6 +22,7 @@ from pagedlm.core.config import (
     SchedulerConfig,
     VllmConfig,
 )
+from pagedlm.core.distributed.kv_transfer.config import KVTransferConfig
 from pagedlm.core.platforms import resolve_platform
 
 _HELP = {
@@ -66,6 +67,11 @@ _HELP = {
     "logits_processors": "custom logits processors, 'package.module:Class' names of vLLM-style "
     "LogitsProcessor subclasses (pagedlm.core.v1.sample.logits_processor)",
     "enable_prompt_embeds": "accept {'prompt_embeds': tensor} prompts (embeddings instead of token ids)",
+    "kv_transfer_config": 'JSON object of vLLM\'s KVTransferConfig: \'{"kv_connector": NAME, "kv_role": '
+    '"kv_producer"|"kv_consumer"|"kv_both", "kv_connector_extra_config": {...}}\' (docs/distributed.md)',
+    "kv_offloading_size": "GiB of host memory for a KV offload tier under the prefix cache (vLLM's "
+    "--kv-offloading-size; alias --kv-offload-gib): evicted blocks go there and come back on a hit",
+    "kv_offloading_backend": "the offload tier's implementation: native (pagedlm's OffloadingConnector)",
     "profiler_config": 'JSON object of vLLM\'s ProfilerConfig, e.g. \'{"profiler": "torch", "torch_profiler_dir": '
     '"./traces"}\' (start_profile/stop_profile; default: from VLLM_TORCH_PROFILER_DIR when set)',
     "enable_lora": "serve LoRA adapters (LoRARequest per request; docs/lora.md)",
@@ -131,6 +137,9 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     lora_dtype: str = "auto"
     fully_sharded_loras: bool = False
+    kv_transfer_config: dict[str, Any] | KVTransferConfig | None = None
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
     additional_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -200,7 +209,25 @@ class EngineArgs:
                                    max_cpu_loras=self.max_cpu_loras, lora_dtype=self.lora_dtype,
                                    fully_sharded_loras=self.fully_sharded_loras) if self.enable_lora else None,
             additional_config=dict(self.additional_config),
+            kv_transfer_config=self._kv_transfer_config(),
         )
+
+    def _kv_transfer_config(self) -> KVTransferConfig | None:
+        """``kv_transfer_config``, or the OffloadingConnector that ``kv_offloading_size`` stands for."""
+        config = KVTransferConfig.from_any(self.kv_transfer_config)
+        size = self.kv_offloading_size
+        if size is None:
+            return config
+        if isinstance(size, bool) or not isinstance(size, int | float) or size <= 0:
+            raise ValueError(f"kv_offloading_size={size!r} is invalid: a positive number of GiB")
+        if self.kv_offloading_backend != "native":
+            raise ValueError(f"kv_offloading_backend={self.kv_offloading_backend!r} is not supported; allowed: native")
+        if config is not None:
+            raise ValueError("kv_offloading_size and kv_transfer_config both choose a KV connector; give one "
+                             "(kv_transfer_config={'kv_connector': 'OffloadingConnector', 'kv_connector_extra_config': "
+                             "{'cpu_bytes_to_use': N}} is what kv_offloading_size sets)")
+        return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                kv_connector_extra_config={"cpu_bytes_to_use": int(size * 2**30)})
 
     # -- command line -------------------------------------------------------------------------
     @classmethod
@@ -225,6 +252,9 @@ class EngineArgs:
                 parse = json.loads if typing.get_origin(base) is dict else base  # JSON objects on the CLI
                 group.add_argument(flag, type=parse, default=f.default, help=_HELP.get(f.name),
                                    dest=f.name)
+        if "kv_offloading_size" not in skip:
+            group.add_argument("--kv-offload-gib", type=float, dest="kv_offloading_size", default=None,
+                               help="alias of --kv-offloading-size")
         return parser
 
     @classmethod

@@ -66,6 +66,9 @@ class EngineCore:
             async_scheduling=bool(sc.async_scheduling),
             pipeline_depth=pipeline_depth,
             max_loras=vllm_config.lora_config.max_loras if vllm_config.lora_config is not None else None,
+            kv_connector=self._create_kv_connector(num_blocks),
+            kv_load_failure_policy=(vllm_config.kv_transfer_config.kv_load_failure_policy
+                                    if vllm_config.kv_transfer_config is not None else "recompute"),
         )
         self._stats_listeners: list[StatsListener] = []
         #: ``pause_scheduler``: nothing new is scheduled (batches in flight still finish)
@@ -73,6 +76,17 @@ class EngineCore:
         depth = 2 if sc.async_scheduling else pipeline_depth
         self.batch_queue: deque[tuple[Future, SchedulerOutput]] | None = deque() if depth > 1 else None
         self.batch_queue_size = depth
+
+    def _create_kv_connector(self, num_blocks: int) -> Any:
+        """The scheduler half of kv_transfer_config's KV connector, or None."""
+        if self.vllm_config.kv_transfer_config is None:
+            return None
+        from pagedlm.core.distributed.kv_transfer.base import KVCacheInfo, KVConnectorRole
+        from pagedlm.core.distributed.kv_transfer.factory import create_kv_connector
+
+        info = KVCacheInfo(num_blocks=num_blocks, block_size=self.vllm_config.cache_config.block_size,
+                           bytes_per_block=self.executor.kv_cache_bytes_per_block())
+        return create_kv_connector(self.vllm_config, KVConnectorRole.SCHEDULER, info)
 
     def _initialize_kv_cache(self) -> tuple[int, list[KVCacheGroupSpec]]:
         cc = self.vllm_config.cache_config
@@ -165,8 +179,10 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
             # NOTE: an empty batch still goes out when it carries finished or preempted ids: the
             # workers must drop those requests (a preempted one resumes from its saved state).
+            # (with a KV connector too: its workers report transfers only from steps they run)
             if not scheduler_output.is_empty or scheduler_output.finished_req_ids \
-                    or scheduler_output.preempted_req_ids:
+                    or scheduler_output.preempted_req_ids or scheduler_output.kv_connector_metadata is not None \
+                    or self.scheduler.kv_transfer is not None:
                 future = self.executor.execute_model(scheduler_output, non_block=True)
                 queue.append((future, scheduler_output))  # type: ignore[arg-type]
                 if len(queue) < self.batch_queue_size and scheduler_output.total_num_scheduled_tokens > 0:
@@ -223,4 +239,18 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        try:
+            self._finish_kv_transfers()
+        finally:
+            self.executor.shutdown()
+
+    def _finish_kv_transfers(self, timeout_s: float = 30.0) -> None:
+        """Run the steps that finish the KV connector's exports of finished requests (an offline
+        producer's last requests are written out before the engine goes)."""
+        kvt = getattr(self, "scheduler", None) and self.scheduler.kv_transfer
+        if not kvt:
+            return
+        deadline = time.monotonic() + timeout_s
+        while kvt.delayed_free and not (self.scheduler.waiting or self.scheduler.running) \
+                and time.monotonic() < deadline:
+            self.step()

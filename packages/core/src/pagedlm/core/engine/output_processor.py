@@ -49,6 +49,7 @@ class _RequestState:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    kv_transfer_params: dict | None = None
     #: sequences not finished yet (kept as a count: finished is read for every request, every step)
     num_unfinished: int = 0
     #: the sequences in output order (their index)
@@ -160,6 +161,8 @@ class OutputProcessor:
                 state.prompt_logprobs = self._prompt_logprobs(out.new_prompt_logprobs)
             if out.error is not None:
                 state.error = out.error
+            if out.kv_transfer_params is not None:
+                state.kv_transfer_params = out.kv_transfer_params
             new_token_ids = out.new_token_ids
             seq.token_ids += new_token_ids
             if out.new_logprobs is not None and seq.logprobs is not None:
@@ -233,7 +236,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             prompt_logprobs=state.prompt_logprobs, outputs=completions, finished=finished,
-            num_cached_tokens=state.num_cached_tokens, error=state.error,
+            num_cached_tokens=state.num_cached_tokens, error=state.error, kv_transfer_params=state.kv_transfer_params,
         )
 
     def _decode_token(self, token_id: int) -> str | None:

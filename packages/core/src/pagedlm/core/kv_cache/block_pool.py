@@ -16,7 +16,7 @@ and the prefix cache keys a block by its chained hash *and* its group (:func:`ca
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 
 class KVCacheBlock:
@@ -130,6 +130,9 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
         # Kept incrementally so metrics can read it every step without a scan.
         self._num_cached_free_blocks = 0
+        #: called with each cached block just before it is evicted (its K/V still intact until
+        #: this step's forward); a KV connector's offload tier listens here
+        self.evict_listener: Callable[[KVCacheBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -166,6 +169,8 @@ class BlockPool:
 
     def _evict(self, block: KVCacheBlock) -> None:
         assert block.block_hash is not None and block.ref_cnt == 0
+        if self.evict_listener is not None:
+            self.evict_listener(block)
         del self.cached_block_hash_to_block[block.block_hash]
         block.block_hash = None
         self._num_cached_free_blocks -= 1
@@ -213,6 +218,14 @@ class BlockPool:
                 continue
             hash_to_block[block_hash] = block
             block.block_hash = block_hash
+
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take blocks in use out of the prefix cache (their K/V turned out to be wrong)."""
+        for block in blocks:
+            if block.block_hash is not None and self.cached_block_hash_to_block.get(block.block_hash) is block:
+                assert block.ref_cnt > 0, "only blocks in use can be uncached"
+                del self.cached_block_hash_to_block[block.block_hash]
+                block.block_hash = None
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each block; blocks reaching zero become free in the given order.

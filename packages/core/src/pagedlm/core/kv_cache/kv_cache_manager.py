@@ -116,6 +116,7 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: GroupBlocks | None = None,
         num_new_computed_tokens: int = 0,
+        num_tokens_to_cache: int | None = None,
     ) -> GroupBlocks | None:
         """Make room for ``num_new_tokens`` more tokens of the request.
 
@@ -125,6 +126,9 @@ class KVCacheManager:
         first). ``new_computed_blocks`` (prefix hits from ``get_computed_blocks``, holding
         ``num_new_computed_tokens`` tokens) may only be passed on the request's first allocation;
         they start its block tables.
+
+        ``num_tokens_to_cache`` caps the prefix-cache recording of the request's full blocks (blocks
+        a KV connector has yet to fill: :meth:`cache_computed_blocks` records them once filled).
 
         Returns the newly allocated blocks per group (possibly empty), or None when there are not
         enough free blocks — in which case nothing has changed but the freeing of dead blocks.
@@ -174,6 +178,8 @@ class KVCacheManager:
         )
         if self.enable_caching:
             num_known_tokens = min(num_total_tokens, request.num_tokens)
+            if num_tokens_to_cache is not None:
+                num_known_tokens = min(num_known_tokens, num_tokens_to_cache)
             for manager in managers:
                 manager.cache_blocks(request, num_known_tokens)
         if single is not None:
@@ -188,6 +194,15 @@ class KVCacheManager:
             # (cache_blocks records a block once the request's known tokens fill it)
             limit = min(limit, (manager.num_cached_blocks[request_id] + 1) * self.block_size - 1)
         return limit
+
+    def cache_computed_blocks(self, request: Request, num_tokens: int) -> None:
+        """Record in the prefix cache the request's full blocks within its first ``num_tokens``
+        tokens (blocks a KV connector filled after they were allocated)."""
+        if not self.enable_caching:
+            return
+        for manager in self.managers:
+            manager.cache_blocks(request, min(num_tokens, request.num_tokens))
+        self._no_op_limit.pop(request.request_id, None)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks in every group and forget it; a no-op for a request

@@ -154,6 +154,8 @@ class MetricsCollector(StatLoggerBase):
             Counter(PREFIX + "num_preemptions", dict(lbl), e.num_preemptions),
             Counter(PREFIX + "prefix_cache_queries", dict(lbl), e.prefix_cache_queries),
             Counter(PREFIX + "prefix_cache_hits", dict(lbl), e.prefix_cache_hits),
+            Counter(PREFIX + "external_prefix_cache_queries", dict(lbl), e.external_prefix_cache_queries),
+            Counter(PREFIX + "external_prefix_cache_hits", dict(lbl), e.external_prefix_cache_hits),
             Counter(PREFIX + "prompt_tokens", dict(lbl), self.prompt_tokens),
             Counter(PREFIX + "prompt_tokens_cached", dict(lbl), self.cached_prompt_tokens),
             Counter(PREFIX + "generation_tokens", dict(lbl), self.generation_tokens),

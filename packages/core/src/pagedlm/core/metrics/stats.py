@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedlm.core.engine.core import EngineCore
@@ -37,6 +37,8 @@ class EngineStatsSnapshot:
     running_lora_adapters: dict[str, int] = field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
     max_lora: int = 0
+    external_prefix_cache_queries: int = 0  # prompt tokens looked up through the KV connector
+    external_prefix_cache_hits: int = 0  # of those, tokens it loaded
 
     @classmethod
     def from_engine_core(cls, core: EngineCore) -> EngineStatsSnapshot:
@@ -56,7 +58,16 @@ class EngineStatsSnapshot:
             prefix_cache_queries=kv.prefix_cache_stats.num_queries_tokens,
             prefix_cache_hits=kv.prefix_cache_stats.num_hit_tokens,
             num_preemptions=sched.num_preemptions_total,
+            **_external_prefix_cache(sched),
         )
+
+
+def _external_prefix_cache(sched: Any) -> dict[str, int]:
+    kvt = sched.kv_transfer
+    if kvt is None:
+        return {}
+    return {"external_prefix_cache_queries": kvt.stats.num_queries_tokens,
+            "external_prefix_cache_hits": kvt.stats.num_hit_tokens}
 
 
 @dataclass

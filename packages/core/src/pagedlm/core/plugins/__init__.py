@@ -201,6 +201,11 @@ class Plugins:
         regs = self.collect("pagedlm_register_quantization_methods", _quantization_method, "quantization method")
         return {str(key): reg.value for key, reg in regs.items()}
 
+    def kv_connectors(self) -> dict[str, str]:
+        """KV connector name -> ``"module:Class"`` (``pagedlm_register_kv_connectors``)."""
+        regs = self.collect("pagedlm_register_kv_connectors", _kv_connector, "KV connector")
+        return {str(key): reg.value for key, reg in regs.items()}
+
     def add_cli_commands(self, subparsers: argparse._SubParsersAction) -> None:
         self.hook.pagedlm_add_cli_commands(subparsers=subparsers)
 
@@ -226,6 +231,10 @@ def _platform(name: str, class_path: str, is_available: Callable[[], bool],
 
 
 def _quantization_method(name: str, class_path: str) -> tuple[str, str]:
+    return str(name), str(class_path)
+
+
+def _kv_connector(name: str, class_path: str) -> tuple[str, str]:
     return str(name), str(class_path)
 
 

@@ -1,4 +1,4 @@
-"""pagedlm-core's own hook implementations: the built-in quantization methods.
+"""pagedlm-core's own hook implementations: the built-in quantization methods and KV connectors.
 
 Registered by :class:`pagedlm.core.plugins.Plugins` under the name ``"core"`` whatever the
 autoload settings, through the same hooks as any plugin (so a plugin can replace a built-in
@@ -20,3 +20,13 @@ def pagedlm_register_quantization_methods(register: Callable[..., None]) -> None
     register("compressed-tensors", f"{_QUANT}.compressed_tensors:CompressedTensorsConfig")
     register("gptq", f"{_QUANT}.gptq:GPTQConfig")
     register("awq", f"{_QUANT}.awq:AWQConfig")
+
+
+_KVT = "pagedlm.core.distributed.kv_transfer"
+
+
+@hookimpl
+def pagedlm_register_kv_connectors(register: Callable[..., None]) -> None:
+    register("SharedStorageConnector", f"{_KVT}.shared_storage_connector:SharedStorageConnector")
+    register("P2pConnector", f"{_KVT}.p2p_connector:P2pConnector")
+    register("OffloadingConnector", f"{_KVT}.offloading_connector:OffloadingConnector")

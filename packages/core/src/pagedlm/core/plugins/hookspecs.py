@@ -123,3 +123,18 @@ def pagedlm_register_quantization_methods(register: Callable[..., None]) -> None
     (``get_quant_method(layer, prefix)``) that creates the layer's parameters and computes its
     matmul. pagedlm-core registers its built-in methods through this same hook. Returns nothing.
     """
+
+
+@hookspec
+def pagedlm_register_kv_connectors(register: Callable[..., None]) -> None:
+    """Register KV connectors (KV transfer between the paged cache and elsewhere) by name.
+
+    Call ``register(name, class_path)``: ``name`` is what users pass as
+    ``kv_transfer_config={"kv_connector": name, ...}`` (``--kv-transfer-config``); ``class_path``
+    is a ``"module:Class"`` string naming a
+    :class:`pagedlm.core.distributed.kv_transfer.base.KVConnectorBase_V1` subclass, imported only
+    when an engine uses it, once per role (``Cls(vllm_config, role, kv_cache_config)``: a
+    scheduler half in the engine core, a worker half in each worker). pagedlm-core registers its
+    built-in connectors (SharedStorageConnector, P2pConnector, OffloadingConnector) through this
+    same hook. Returns nothing.
+    """

@@ -62,6 +62,8 @@ class SchedulerOutput:
     #: requests preempted this step: workers drop them from the batch (their KV blocks are freed)
     #: but keep their per-request state until they resume (resumed_from_preemption) or finish
     preempted_req_ids: set[str] = field(default_factory=set)
+    #: the KV connector's metadata for the workers (kv_transfer_config), or None
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -79,6 +81,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, tuple[list[list[int]], list[list[float]], list[int]]] = field(default_factory=dict)
     #: req_id -> same triple for prompt positions 1..P-1, sent once the prompt is done
     prompt_logprobs: dict[str, tuple[list[list[int]], list[list[float]], list[int]]] = field(default_factory=dict)
+    #: what the worker's KV connector reports (``kv_transfer.base.KVConnectorOutput``), or None
+    kv_connector_output: Any = None
 
 
 @dataclass

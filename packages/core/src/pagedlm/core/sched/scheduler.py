@@ -30,6 +30,8 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
+from pagedlm.core.distributed.kv_transfer.base import KVConnectorBase_V1
+from pagedlm.core.distributed.kv_transfer.scheduling import KVTransferScheduling
 from pagedlm.core.kv_cache import KVCacheManager
 from pagedlm.core.logger import init_logger
 from pagedlm.core.request import _FIRST_FINISHED, Request, RequestStatus
@@ -49,13 +51,14 @@ class EngineCoreOutput:
 
     __slots__ = (
         "request_id", "new_token_ids", "finish_reason", "stop_reason", "new_logprobs",
-        "new_prompt_logprobs", "num_cached_tokens", "error", "timing", "num_preemptions",
+        "new_prompt_logprobs", "num_cached_tokens", "error", "timing", "num_preemptions", "kv_transfer_params",
     )
 
     def __init__(self, request_id: str, new_token_ids: list[int], finish_reason: str | None = None,
                  stop_reason: int | str | None = None, new_logprobs=None, new_prompt_logprobs=None,
                  num_cached_tokens: int = 0, error: str | None = None,
-                 timing: tuple[float, float] | None = None, num_preemptions: int = 0) -> None:
+                 timing: tuple[float, float] | None = None, num_preemptions: int = 0,
+                 kv_transfer_params: dict | None = None) -> None:
         self.request_id = request_id
         self.new_token_ids = new_token_ids
         self.finish_reason = finish_reason
@@ -68,6 +71,8 @@ class EngineCoreOutput:
         self.timing = timing
         #: times the request has been preempted so far
         self.num_preemptions = num_preemptions
+        #: a KV connector's parameters for the next instance (disaggregated prefill), on the last output
+        self.kv_transfer_params = kv_transfer_params
 
     @property
     def finished(self) -> bool:
@@ -86,6 +91,8 @@ class Scheduler:
         async_scheduling: bool = False,
         pipeline_depth: int = 1,
         max_loras: int | None = None,
+        kv_connector: KVConnectorBase_V1 | None = None,
+        kv_load_failure_policy: str = "recompute",
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self._no_block_ids: tuple[list[int], ...] = tuple([] for _ in kv_cache_manager.managers)
@@ -112,6 +119,10 @@ class Scheduler:
             from pagedlm.core.lora.scheduling import LoRAGate
 
             self.lora_gate = LoRAGate(max_loras)
+        #: KV transfer (kv_transfer_config): requests loading external KV, delayed frees
+        self.kv_transfer = (KVTransferScheduling(kv_connector, kv_cache_manager,
+                                                 fail_on_load_error=kv_load_failure_policy == "fail")
+                            if kv_connector is not None else None)
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -132,23 +143,30 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
-            else:
+            elif self.kv_transfer is None or not self.kv_transfer.forget_waiting(req):
                 self.waiting.remove(req)
             req.status = status
             self._free(req)
             finished.append(req)
         return finished
 
-    def _free(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+    def _free(self, request: Request) -> dict | None:
+        """Release a finished request; returns the KV connector's kv_transfer_params for it."""
+        free_now, params = True, None
+        if self.kv_transfer is not None:
+            free_now, params = self.kv_transfer.on_request_finished(request)
+        if free_now:
+            self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        return params
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running) or (self.kv_transfer is not None and self.kv_transfer.has_work())
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        loading = self.kv_transfer.num_waiting() if self.kv_transfer is not None else 0
+        return len(self.waiting) + len(self.running) + loading
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -238,17 +256,38 @@ class Scheduler:
             if lora_gate is not None and not lora_gate.admits(request):
                 lora_skipped.append(self.waiting.popleft())  # its adapter would need one slot too many
                 continue
-            computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
-            num_new_tokens = request.num_tokens - num_computed
+            kvt = self.kv_transfer
+            num_external = 0
+            if kvt is not None and kvt.is_loaded(request):
+                # its external KV loaded: it holds its blocks, computed up to the last one that loaded
+                computed_blocks, num_computed = None, request.num_computed_tokens
+            else:
+                computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+                if kvt is not None:
+                    num_external, load_async = kvt.match(request, num_computed)
+                    if num_external is None:
+                        break
+                    if load_async and num_external:
+                        if not kvt.start_async_load(request, computed_blocks, num_computed, num_external):
+                            break
+                        self.waiting.popleft()  # it waits for its KV in kv_transfer.loading
+                        continue
+            num_new_tokens = request.num_tokens - num_computed - num_external
             if num_new_tokens > token_budget:
                 if not self.enable_chunked_prefill:
                     break
                 num_new_tokens = token_budget
             new_blocks = allocate_slots(
-                request, num_new_tokens, new_computed_blocks=computed_blocks, num_new_computed_tokens=num_computed
+                request, num_external + num_new_tokens, new_computed_blocks=computed_blocks,
+                num_new_computed_tokens=num_computed if computed_blocks is not None else 0,
             )
             if new_blocks is None:
                 break
+            if kvt is not None:
+                if num_external:  # loaded before this step's forward
+                    kvt.on_sync_load(request, num_computed, num_external)
+                    num_computed += num_external
+                kvt.on_admitted(request)
             self.waiting.popleft()
             running.append(request)
             if lora_gate is not None:
@@ -299,6 +338,8 @@ class Scheduler:
             preempted_req_ids={r.request_id for r in preempted},
         )
         self.finished_req_ids = set()
+        if self.kv_transfer is not None:
+            self.kv_transfer.build_meta(output)
         self._update_stats(output, len(preempted), num_decode_tokens)
         return output
 
@@ -318,6 +359,8 @@ class Scheduler:
         # NOTE: one pass over the step's requests; a request that got one token (the common
         # case) appends it and checks its stop conditions inline, without building lists.
         outputs: list[EngineCoreOutput] = []
+        if self.kv_transfer is not None:
+            self._update_kv_transfer(scheduler_output, runner_output, outputs)
         all_logprobs, all_prompt_logprobs = runner_output.logprobs, runner_output.prompt_logprobs
         get_request = self.requests.get
         running_status = RequestStatus.RUNNING
@@ -374,8 +417,22 @@ class Scheduler:
                     self.waiting.remove(request)
                 else:
                     self.running.remove(request)
-                self._free(request)
+                kv_transfer_params = self._free(request)
+                if kv_transfer_params is not None:
+                    outputs[-1].kv_transfer_params = kv_transfer_params
         return outputs
+
+    def _update_kv_transfer(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                            outputs: list[EngineCoreOutput]) -> None:
+        """Requests whose external KV loaded go back to the front of the queue; those whose
+        load failed for good fail (their tokens of this step, if any, are dropped)."""
+        assert self.kv_transfer is not None
+        ready, failures = self.kv_transfer.update(scheduler_output, runner_output.kv_connector_output)
+        self.waiting.extendleft(reversed(ready))
+        for req_id, reason in failures.items():
+            if self.finish_requests([req_id], RequestStatus.FINISHED_ERROR):
+                logger.warning("request %s failed: %s", req_id, reason)
+                outputs.append(EngineCoreOutput(req_id, [], finish_reason="error", error=reason))
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """Finish the request if ``token_id`` (its newest token) stops it; returns whether it did."""

@@ -65,6 +65,8 @@ class AsyncModelRunnerOutput:
         self._event = event
         self._logprobs = logprobs
         self._output: ModelRunnerOutput | None = None
+        #: the worker's KV-connector report for this step (set by the worker), passed on in result()
+        self.kv_connector_output: Any = None
 
     @classmethod
     def ready(cls, output: ModelRunnerOutput) -> AsyncModelRunnerOutput:
@@ -75,6 +77,8 @@ class AsyncModelRunnerOutput:
 
     def result(self) -> ModelRunnerOutput:
         if self._output is not None:
+            if self.kv_connector_output is not None:
+                self._output.kv_connector_output = self.kv_connector_output
             return self._output
         sampled: list[list[int]] = [[] for _ in self.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
@@ -90,7 +94,8 @@ class AsyncModelRunnerOutput:
                 if lp is not None and k is not None:
                     logprobs[state.req_id] = ([lp[0][j][: k + 1]], [lp[1][j][: k + 1]], [lp[2][j]])
         self._output = ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
-                                         prompt_logprobs=self._prompt_logprobs)
+                                         prompt_logprobs=self._prompt_logprobs,
+                                         kv_connector_output=self.kv_connector_output)
         return self._output
 
 

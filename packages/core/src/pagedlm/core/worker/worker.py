@@ -40,6 +40,8 @@ class Worker:
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
         self.profiler: WorkerProfiler | None = None
+        #: the worker half of kv_transfer_config's KV connector (built with the KV cache)
+        self.kv_connector = None
 
     def init_device(self) -> None:
         self.device = self.platform.set_device(self.local_rank)
@@ -94,6 +96,10 @@ class Worker:
     def initialize_cache(self, num_blocks: int) -> None:
         assert self.model_runner is not None
         self.model_runner.initialize_kv_cache(num_blocks)
+        if self.vllm_config.kv_transfer_config is not None:
+            from pagedlm.core.distributed.kv_transfer.worker_step import create_worker_connector
+
+            self.kv_connector = create_worker_connector(self.vllm_config, self.model_runner)
 
     def execute_model(self, scheduler_output: SchedulerOutput,
                       non_block: bool = False) -> ModelRunnerOutput | AsyncModelRunnerOutput:
@@ -104,6 +110,10 @@ class Worker:
         assert self.model_runner is not None
         if self.profiler is not None:
             self.profiler.step()
+        if self.kv_connector is not None:
+            from pagedlm.core.distributed.kv_transfer.worker_step import execute_with_kv_connector
+
+            return execute_with_kv_connector(self.kv_connector, self.model_runner, scheduler_output, non_block)
         return self.model_runner.execute_model(scheduler_output, non_block=non_block)
 
     def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
@@ -153,4 +163,6 @@ class Worker:
     def shutdown(self) -> None:
         if self.profiler is not None:
             self.profiler.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         destroy_distributed_environment()
