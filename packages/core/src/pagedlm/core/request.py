@@ -52,6 +52,9 @@ class EngineCoreRequest:
     #: ``[len(prompt_token_ids), hidden]`` CPU tensor in the model dtype when the prompt is given
     #: as embeddings (``enable_prompt_embeds``); ``prompt_token_ids`` are placeholders then
     prompt_embeds: Any = None
+    #: multimodal items (``MultiModalFeature``) in prompt order; their placeholder tokens are in
+    #: ``prompt_token_ids``
+    mm_features: list[Any] | None = None
 
 
 class Request:
@@ -70,9 +73,12 @@ class Request:
         arrival_time: float | None = None,
         max_tokens: int | None = None,
         prompt_embeds: Any = None,
+        mm_features: list[Any] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_embeds = prompt_embeds
+        #: multimodal items in prompt order (their hashes enter the block hashes of their blocks)
+        self.mm_features: list[Any] = mm_features or []
         #: what the prefix-cache hash chain starts from: None (the root) for token ids; for a
         #: prompt given as embeddings, a digest of them (its placeholder ids say nothing)
         self.block_hash_seed: bytes | None = None if prompt_embeds is None else _digest(prompt_embeds)
@@ -114,7 +120,7 @@ class Request:
         if max_tokens is None:
             max_tokens = max_model_len - len(req.prompt_token_ids)
         return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.arrival_time, max_tokens,
-                   prompt_embeds=req.prompt_embeds)
+                   prompt_embeds=req.prompt_embeds, mm_features=req.mm_features)
 
     @property
     def num_tokens(self) -> int:

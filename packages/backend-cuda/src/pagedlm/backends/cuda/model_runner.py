@@ -35,6 +35,7 @@ from pagedlm.core.distributed import PP_TENSOR_NAMES, IntermediateTensors, get_p
 from pagedlm.core.forward_context import set_forward_context
 from pagedlm.core.layers.vocab_embedding import LogitsProcessor
 from pagedlm.core.logger import init_logger
+from pagedlm.core.multimodal.encoder_runner import multimodal_embeddings, profile_encoder
 from pagedlm.core.sample import build_sampling_metadata
 from pagedlm.core.sampling_params import SamplingParams
 from pagedlm.core.worker.input_batch import StepInputs
@@ -250,7 +251,8 @@ class CudaModelRunner(ModelRunner):
         assert self.model is not None
         num_tokens, num_reqs = len(step.input_ids), len(step.req_ids)
         self._graph_logits = None
-        if self._graphs and num_tokens == num_reqs and num_reqs <= self.max_capture_size:
+        # NOTE: a step with image embeddings runs eagerly (graphs embed token ids only)
+        if self._graphs and num_tokens == num_reqs and num_reqs <= self.max_capture_size and step.mm_embeds is None:
             padded = int(self._pad_to[num_reqs])
             self._stage(step, padded, padded)
             self.feed_sampled_tokens(self._step_buf[:num_tokens], step)
@@ -261,7 +263,7 @@ class CudaModelRunner(ModelRunner):
         metadata = self._metadata(self._stage(step, num_tokens, num_reqs))
         input_ids, positions = self._ids_positions(num_tokens)
         self.feed_sampled_tokens(input_ids, step)
-        with set_forward_context(metadata):
+        with set_forward_context(metadata), multimodal_embeddings(self.model, step.mm_embeds):
             return self.model(input_ids, positions)
 
     def feed_sampled_tokens(self, input_ids: torch.Tensor, step: StepInputs) -> None:
@@ -304,6 +306,7 @@ class CudaModelRunner(ModelRunner):
         n = self.max_num_tokens
         self._step_buf.zero_()
         start = time.perf_counter()
+        profile_encoder(self.vllm_config, self.encoder_runner)
         with set_forward_context(None):
             hidden = self._stage_forward(n)
         if hidden is None:  # a pipeline stage before the last: no logits here

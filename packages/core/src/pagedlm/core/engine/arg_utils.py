@@ -62,6 +62,11 @@ _HELP = {
     "config_format": "vLLM's option: 'auto' or 'hf' (config.json, or a GGUF file's metadata)",
     "logits_processors": "custom logits processors, 'package.module:Class' names of vLLM-style "
     "LogitsProcessor subclasses (pagedlm.core.v1.sample.logits_processor)",
+    "limit_mm_per_prompt": 'multimodal models: JSON object of the most items per prompt by modality, e.g. '
+    '\'{"image": 2}\' (default 999 each)',
+    "allowed_local_media_path": "multimodal chat: the directory file:// image URLs may read (default: none)",
+    "allowed_media_domains": "multimodal chat: hosts http(s) image URLs may be fetched from (default: none; "
+    "fetch limits: VLLM_IMAGE_FETCH_TIMEOUT seconds, PAGEDLM_MAX_IMAGE_FETCH_BYTES)",
     "enable_prompt_embeds": "accept {'prompt_embeds': tensor} prompts (embeddings instead of token ids)",
     "profiler_config": 'JSON object of vLLM\'s ProfilerConfig, e.g. \'{"profiler": "torch", "torch_profiler_dir": '
     '"./traces"}\' (start_profile/stop_profile; default: from VLLM_TORCH_PROFILER_DIR when set)',
@@ -108,6 +113,9 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     logits_processors: list[Any] | None = None
     enable_prompt_embeds: bool = False
+    limit_mm_per_prompt: dict[str, int] | None = None
+    allowed_local_media_path: str = ""
+    allowed_media_domains: list[str] | None = None
     profiler_config: dict[str, Any] | ProfilerConfig | None = None
     additional_config: dict[str, Any] = field(default_factory=dict)
 
@@ -136,6 +144,9 @@ class EngineArgs:
                 quantization=self.quantization,
                 logits_processors=self.logits_processors,
                 enable_prompt_embeds=self.enable_prompt_embeds,
+                limit_mm_per_prompt=self.limit_mm_per_prompt,
+                allowed_local_media_path=self.allowed_local_media_path,
+                allowed_media_domains=self.allowed_media_domains,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,

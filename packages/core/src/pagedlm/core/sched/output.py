@@ -21,6 +21,8 @@ class NewRequestData:
     #: ``[num_prompt_tokens, hidden]`` CPU tensor when the prompt is given as embeddings
     #: (``prompt_token_ids`` are placeholders then)
     prompt_embeds: Any = None
+    #: multimodal items (``pagedlm.core.multimodal.inputs.MultiModalFeature``), in prompt order
+    mm_features: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -60,6 +62,10 @@ class SchedulerOutput:
     #: requests preempted this step: workers drop them from the batch (their KV blocks are freed)
     #: but keep their per-request state until they resume (resumed_from_preemption) or finish
     preempted_req_ids: set[str] = field(default_factory=set)
+    #: req_id -> indices of its ``mm_features`` whose encoder outputs the workers compute this step
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    #: item hashes whose encoder outputs the workers drop (evicted from the encoder cache)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 
 from pagedlm.core.kv_cache import KVCacheManager
 from pagedlm.core.logger import init_logger
+from pagedlm.core.multimodal.encoder_cache import EncoderCacheManager
 from pagedlm.core.request import _FIRST_FINISHED, Request, RequestStatus
 from pagedlm.core.sched.output import (
     CachedRequestData,
@@ -85,6 +86,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         async_scheduling: bool = False,
         pipeline_depth: int = 1,
+        encoder_cache: EncoderCacheManager | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self._no_block_ids: tuple[list[int], ...] = tuple([] for _ in kv_cache_manager.managers)
@@ -105,6 +107,8 @@ class Scheduler:
         #: a 1/pipeline_depth share of the running requests, so decodes split into batches that
         #: occupy every stage instead of one batch and idle stages.
         self.pipeline_depth = pipeline_depth
+        #: multimodal models: the encoder outputs the workers hold and the budget to compute them
+        self.encoder_cache = encoder_cache
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -134,6 +138,8 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if self.encoder_cache is not None and request.mm_features:
+            self.encoder_cache.free_request(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -160,6 +166,10 @@ class Scheduler:
         no_block_ids = self._no_block_ids
         req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
         num_computed_col, new_token_ids_col = cached.num_computed_tokens, cached.new_token_ids
+        encoder = self.encoder_cache
+        scheduled_encoder_inputs: dict[str, list[int]] = {}
+        if encoder is not None:
+            encoder.begin_step()
 
         # 1. running requests, oldest first.
         running = self.running
@@ -184,6 +194,11 @@ class Scheduler:
             if num_new_tokens <= 0 or (num_placeholders and (
                     request.needs_output_history or num_tokens + num_placeholders >= request.max_num_tokens)):
                 continue
+            to_encode = None
+            if encoder is not None and request.mm_features and encoder.needs_plan(request, num_computed):
+                num_new_tokens, to_encode = encoder.plan(request, num_computed, num_new_tokens)
+                if num_new_tokens <= 0:
+                    continue  # its next image does not fit the encoder budget this step
             new_blocks = allocate_slots(request, num_new_tokens)
             while new_blocks is None:
                 victim = running.pop()
@@ -195,6 +210,10 @@ class Scheduler:
             if new_blocks is None:
                 break
             request_id = request.request_id
+            if to_encode is not None:
+                encoder.commit(request, num_computed, num_new_tokens, to_encode)  # type: ignore[union-attr]
+                if to_encode:
+                    scheduled_encoder_inputs[request_id] = to_encode
             num_scheduled_tokens[request_id] = num_new_tokens
             token_budget -= num_new_tokens
             if num_new_tokens == 1 and num_tokens > request.num_prompt_tokens:
@@ -231,11 +250,21 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 num_new_tokens = token_budget
+            to_encode = None
+            if encoder is not None and request.mm_features:
+                num_new_tokens, to_encode = encoder.plan(request, num_computed, num_new_tokens,
+                                                         self.enable_chunked_prefill)
+                if num_new_tokens <= 0:
+                    break  # its image does not fit the encoder budget this step
             new_blocks = allocate_slots(
                 request, num_new_tokens, new_computed_blocks=computed_blocks, num_new_computed_tokens=num_computed
             )
             if new_blocks is None:
                 break
+            if to_encode is not None:
+                encoder.commit(request, num_computed, num_new_tokens, to_encode)  # type: ignore[union-attr]
+                if to_encode:
+                    scheduled_encoder_inputs[request.request_id] = to_encode
             self.waiting.popleft()
             running.append(request)
             if request.scheduled_time is None:
@@ -259,6 +288,7 @@ class Scheduler:
                         block_ids=block_ids,
                         num_computed_tokens=num_computed,
                         prompt_embeds=request.prompt_embeds,
+                        mm_features=request.mm_features,
                     )
                 )
             request.status = RequestStatus.RUNNING
@@ -280,12 +310,17 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
         )
+        if encoder is not None:
+            output.scheduled_encoder_inputs = scheduled_encoder_inputs
+            output.free_encoder_mm_hashes = encoder.end_step()
         self.finished_req_ids = set()
         self._update_stats(output, len(preempted), num_decode_tokens)
         return output
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if self.encoder_cache is not None and request.mm_features:
+            self.encoder_cache.free_request(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

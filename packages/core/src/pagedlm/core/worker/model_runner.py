@@ -23,6 +23,7 @@ from pagedlm.core.kv_cache.spec import (
 from pagedlm.core.layers import custom_ops
 from pagedlm.core.logger import init_logger
 from pagedlm.core.model_loader import load_model
+from pagedlm.core.multimodal.encoder_runner import EncoderRunner, make_encoder_runner
 from pagedlm.core.platforms import HOST, resolve_platform
 from pagedlm.core.sample import (
     LogprobsTensors,
@@ -153,6 +154,8 @@ class ModelRunner:
         with custom_ops.use_ops(self.layer_ops):
             self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
+        #: multimodal models: runs the encoder and keeps its outputs (pagedlm.core.multimodal)
+        self.encoder_runner: EncoderRunner | None = None
         self.attention_layers: dict = {}
         #: one tensor per cache slot (kv_cache/spec.py): layer j of every KV-cache group uses slot j
         self.kv_caches: list[torch.Tensor] = []
@@ -196,6 +199,7 @@ class ModelRunner:
         if self.vllm_config.model_config.enable_prompt_embeds and embedding_body(self.model) is None:
             raise ValueError(f"enable_prompt_embeds=True needs a model whose body embeds its input through "
                              f"model.get_input_embeddings(input_ids); {type(self.model).__name__} has none")
+        self.encoder_runner = make_encoder_runner(self.vllm_config, self.model, self.device, self.dtype)
         # The groups of this rank's layers; the engine core replaces them with the groups of every
         # rank's layers (pipeline stages hold different layers) before sizing the cache.
         self.set_kv_cache_groups(make_kv_cache_groups(self.get_kv_cache_specs()))
@@ -273,6 +277,8 @@ class ModelRunner:
             return _done(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]), non_block)
         step = batch.prepare(sched)
         assert self.model is not None
+        if self.encoder_runner is not None:
+            step.mm_embeds = self.encoder_runner.step_embeds(sched, step, batch.requests)
         if get_pp_group().world_size == 1:
             hidden_states = self.run_model(step)
         else:
@@ -347,6 +353,8 @@ class ModelRunner:
         embeds = None
         if self.vllm_config.model_config.enable_prompt_embeds:
             embeds = gather_step_prompt_embeds(step, self.input_batch.requests, self.device, self.dtype)
+        if step.mm_embeds is not None:
+            embeds = step.mm_embeds
         with set_forward_context(metadata):
             if embeds is None:
                 return self.model(input_ids, positions)
