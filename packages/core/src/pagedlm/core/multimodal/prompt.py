@@ -26,7 +26,9 @@ def process_multimodal_prompt(processor: BaseMultiModalProcessor | None, model_c
     token_ids = prompt.get("prompt_token_ids")
     if text is None and token_ids is None:
         raise ValueError("a prompt with multi_modal_data needs 'prompt' (text) or 'prompt_token_ids'")
-    if token_ids is not None and text is None:
+    # NOTE: with both, the ids are processed and the text is what outputs report (LLM.chat and
+    # the server tokenize the template's text themselves, without the tokenizer's own specials).
+    if token_ids is not None:
         if not isinstance(token_ids, (list, tuple)) or not all(isinstance(t, int) for t in token_ids):
             raise ValueError("prompt_token_ids must be a list of integers")
         source: str | list[int] = list(token_ids)
@@ -42,4 +44,4 @@ def process_multimodal_prompt(processor: BaseMultiModalProcessor | None, model_c
         raise
     except Exception as e:  # noqa: BLE001 - HF's processors raise many types for inputs they cannot take
         raise ValueError(f"multi_modal_data could not be processed: {type(e).__name__}: {e}") from e
-    return (text if isinstance(source, str) else None), ids, features
+    return (text if isinstance(text, str) else None), ids, features

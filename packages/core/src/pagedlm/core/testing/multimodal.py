@@ -122,3 +122,22 @@ def hf_multimodal_greedy(model: Any, processor: Any, prompts: Sequence[tuple[str
             out = model.generate(**inputs, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)
         results.append(out[0, inputs["input_ids"].shape[1]:].tolist())
     return results
+
+
+def random_image(seed: int, size: tuple[int, int]) -> Any:
+    """A noise PIL image of ``size`` (width, height): different seeds give different pixels."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def data_url(image: Any, fmt: str = "PNG") -> str:
+    """``data:image/<fmt>;base64,...`` of a PIL image (what an OpenAI client sends)."""
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
