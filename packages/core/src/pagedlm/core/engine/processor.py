@@ -89,9 +89,7 @@ class Processor:
                                                                      add_special_tokens=add_special_tokens)
         else:
             text, token_ids = self.tokenize_prompt(prompt, add_special_tokens=add_special_tokens)
-            if self.mm_processor is not None:
-                self.mm_processor.check_text_only(token_ids)
-        self.validate(token_ids, params)
+        self.validate(token_ids, params, has_mm_data=mm_features is not None)
         for cls in self.logits_processor_classes:
             cls.validate_params(params)
         params = params.clone()
@@ -135,8 +133,10 @@ class Processor:
         dtype = self.model_config.dtype if isinstance(self.model_config.dtype, torch.dtype) else embeds.dtype
         return embeds.detach().to(device=HOST, dtype=dtype).contiguous()
 
-    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, token_ids: list[int], params: SamplingParams, *, has_mm_data: bool = False) -> None:
         num = len(token_ids)
+        if self.mm_processor is not None and not has_mm_data:
+            self.mm_processor.check_text_only(token_ids)
         if num == 0:
             raise ValueError("prompt is empty: it must contain at least one token")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]

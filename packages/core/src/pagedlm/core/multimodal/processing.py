@@ -150,14 +150,18 @@ class BaseMultiModalProcessor:
         else:
             token_ids = list(prompt)
             found = token_ids.count(self.image_token_id)
-            if found != len(images):
-                raise ValueError(self._mismatch(found, len(images)) + " (a token-id prompt has one "
-                                 f"placeholder token, id {self.image_token_id}, per image)")
             n = self.num_image_tokens()
-            expanded: list[int] = []
-            for t in token_ids:
-                expanded.extend([t] * n if t == self.image_token_id else [t])
-            token_ids = expanded
+            # NOTE: ids already expanded (n placeholder tokens per image, as HF's processor and this
+            # method write them) are taken as they are.
+            if found != len(images) * n:
+                if found != len(images):
+                    raise ValueError(self._mismatch(found, len(images)) + " (a token-id prompt has one "
+                                     f"placeholder token, id {self.image_token_id}, per image, or {n} per image "
+                                     "when already expanded)")
+                expanded: list[int] = []
+                for t in token_ids:
+                    expanded.extend([t] * n if t == self.image_token_id else [t])
+                token_ids = expanded
             pixel_values = self.image_processor(images, return_tensors="pt")["pixel_values"] if images else None
         return token_ids, self._features(token_ids, images, pixel_values)
 
