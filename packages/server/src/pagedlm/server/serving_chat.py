@@ -15,7 +15,6 @@ from pagedlm.core.sampling_params import SamplingParams
 from pagedlm.core.text import utf8_problem
 from pagedlm.server.errors import APIError, error_response, logger
 from pagedlm.server.protocol import ChatCompletionRequest, ChatMessage
-from pagedlm.server.serving_multimodal import multimodal_chat_prompt
 from pagedlm.server.serving_common import (
     SSE_DONE,
     ServerState,
@@ -39,6 +38,7 @@ from pagedlm.server.serving_common import (
     until_disconnect,
     usage,
 )
+from pagedlm.server.serving_multimodal import multimodal_chat_prompt
 
 
 def check_messages_length(state: ServerState, messages: list[ChatMessage], param: str = "messages") -> None:

@@ -41,7 +41,8 @@ async def multimodal_chat_prompt(state: ServerState, req: ChatCompletionRequest,
     if not has_image_parts(conversation):
         return None
     if req.truncate_prompt_tokens is not None:
-        raise APIError("truncate_prompt_tokens is not supported with image content parts", param="truncate_prompt_tokens")
+        raise APIError("truncate_prompt_tokens is not supported with image content parts",
+                       param="truncate_prompt_tokens")
     try:
         prompt, token_ids = await off_loop(_render, state, conversation, req, param)
         state.engine.processor.validate(token_ids, params, has_mm_data=True)

@@ -111,7 +111,8 @@ def make_encoder_runner(vllm_config: Any, model: torch.nn.Module, device: torch.
 
 
 @contextlib.contextmanager
-def multimodal_embeddings(model: torch.nn.Module, mm_embeds: tuple[torch.Tensor, torch.Tensor] | None) -> Iterator[None]:
+def multimodal_embeddings(model: torch.nn.Module,
+                          mm_embeds: tuple[torch.Tensor, torch.Tensor] | None) -> Iterator[None]:
     """For the forward passes inside: the step's encoder embeddings at their placeholder positions
     (``StepInputs.mm_embeds``) instead of the placeholder tokens' own embeddings."""
     if mm_embeds is None:

@@ -84,7 +84,7 @@ def _fetch(url: str, host: str, allowed_domains: list[str] | None) -> bytes:
                          "http(s) images only from the hosts in --allowed-media-domains")
     limit = envs.max_image_fetch_bytes()
     try:
-        with urllib.request.urlopen(url, timeout=envs.image_fetch_timeout_s()) as response:  # noqa: S310 - allow-listed
+        with urllib.request.urlopen(url, timeout=envs.image_fetch_timeout_s()) as response:
             data = response.read(limit + 1)
     except OSError as e:  # URLError, timeouts and HTTP errors are OSErrors
         raise ValueError(f"image_url {_short(url)!r}: fetching failed ({type(e).__name__}: {e})") from None

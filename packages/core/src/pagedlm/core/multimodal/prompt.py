@@ -42,6 +42,6 @@ def process_multimodal_prompt(processor: BaseMultiModalProcessor | None, model_c
         ids, features = processor.apply(source, prompt["multi_modal_data"], add_special_tokens=add_special_tokens)
     except ValueError:
         raise
-    except Exception as e:  # noqa: BLE001 - HF's processors raise many types for inputs they cannot take
+    except Exception as e:
         raise ValueError(f"multi_modal_data could not be processed: {type(e).__name__}: {e}") from e
     return (text if isinstance(text, str) else None), ids, features

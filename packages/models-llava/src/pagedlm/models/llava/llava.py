@@ -117,7 +117,6 @@ class LlavaForConditionalGeneration(CausalLM):
         if name.startswith("vision_tower."):
             if name.startswith("vision_tower.post_layernorm.") or name.endswith("position_ids"):
                 return None
-            if name.startswith("vision_tower.encoder.layers."):
-                if int(name.split(".")[3]) >= self.num_vision_layers:
-                    return None
+            if name.startswith("vision_tower.encoder.layers.") and int(name.split(".")[3]) >= self.num_vision_layers:
+                return None
         return name
