@@ -98,6 +98,14 @@ def tiny_llava(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="session")
 def hf_llava(tiny_llava: str) -> Any:
     """(HF transformers' model in float32 on the CPU, its processor) of ``tiny_llava``."""
-    from pagedlm.core.testing.multimodal import load_hf_llava
+    from pagedlm.core.testing.multimodal import load_hf_vlm
 
-    return load_hf_llava(tiny_llava)
+    return load_hf_vlm(tiny_llava)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_vision(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Directory of a tiny random Gemma 3 vision checkpoint (SigLIP + Gemma 3, processor, tokenizer)."""
+    from pagedlm.core.testing.multimodal import make_tiny_gemma3_vision_checkpoint
+
+    return make_tiny_gemma3_vision_checkpoint(tmp_path_factory.mktemp("tiny-gemma3-vision"))

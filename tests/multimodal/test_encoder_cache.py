@@ -63,3 +63,13 @@ def test_block_hashes_cover_the_images_of_their_blocks():
     one, other = hashes("x"), hashes("y")
     assert one[0] == other[0]  # the text before the image is shared
     assert all(a != b for a, b in zip(one[1:], other[1:]))  # the image and everything after it is not
+
+
+def test_items_attended_both_ways_are_never_split_across_steps():
+    cache = EncoderCacheManager(cache_size=16, max_num_encoder_input_tokens=16, whole_items=True)
+    cache.begin_step()
+    a = _request("a", ("x", 4, 8))
+    assert cache.plan(a, 0, 10) == (4, [])  # would end inside x: stop before it
+    assert cache.plan(a, 0, 12) == (12, [0])
+    assert cache.plan(a, 6, 4) == (0, [])  # a prefix-cache hit inside x: wait for room for its rest
+    assert cache.plan(a, 6, 6) == (6, [0])

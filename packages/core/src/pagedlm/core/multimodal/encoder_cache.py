@@ -21,7 +21,9 @@ from typing import Any
 
 
 class EncoderCacheManager:
-    def __init__(self, *, cache_size: int, max_num_encoder_input_tokens: int) -> None:
+    def __init__(self, *, cache_size: int, max_num_encoder_input_tokens: int, whole_items: bool = False) -> None:
+        #: never end a step inside an item (items whose tokens attend to each other both ways)
+        self.whole_items = whole_items
         self.cache_size = cache_size
         self.max_num_encoder_input_tokens = max_num_encoder_input_tokens
         #: hash -> rows, for every output the workers hold (or compute this step)
@@ -65,6 +67,11 @@ class EncoderCacheManager:
                 break
             if feature.end <= num_computed:
                 continue
+            if self.whole_items and end < feature.end:
+                # the step would end inside the item: stop before it (or wait, when it started
+                # inside, from a prefix-cache hit, for a step with room for its rest)
+                num_new_tokens = max(feature.offset - num_computed, 0)
+                break
             if feature.identifier in self.cached:
                 reclaimable -= self.freeable.get(feature.identifier, 0)  # about to be referenced
                 continue
@@ -136,9 +143,19 @@ class EncoderCacheManager:
 
 def make_encoder_cache_manager(vllm_config: Any) -> EncoderCacheManager | None:
     """The scheduler's encoder cache for a multimodal model; None for a text model."""
-    from pagedlm.core.multimodal.registry import encoder_budget
+    from pagedlm.core.multimodal.registry import create_processor, encoder_budget
 
     budget = encoder_budget(vllm_config)
     if not budget:
         return None
-    return EncoderCacheManager(cache_size=budget, max_num_encoder_input_tokens=budget)
+    processor = create_processor(vllm_config.model_config)
+    assert processor is not None
+    whole_items = processor.bidirectional_item_attention
+    if whole_items:
+        largest = max(processor.max_tokens_per_item(m) for m in processor.supported_modalities)
+        step_budget = int(vllm_config.scheduler_config.max_num_batched_tokens or 8192)
+        if step_budget < largest:
+            raise ValueError(f"max_num_batched_tokens={step_budget} is smaller than one image ({largest} tokens); "
+                             f"{processor.architecture} computes an image's tokens in one step: raise it to at "
+                             f"least {largest}")
+    return EncoderCacheManager(cache_size=budget, max_num_encoder_input_tokens=budget, whole_items=whole_items)

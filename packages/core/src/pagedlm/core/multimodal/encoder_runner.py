@@ -22,10 +22,12 @@ def supports_multimodal(model: torch.nn.Module) -> bool:
 
 
 class EncoderRunner:
-    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, *,
+                 bidirectional_item_attention: bool = False) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
+        self.bidirectional_item_attention = bidirectional_item_attention
         #: item hash -> encoder output ``[length, hidden]`` on the device
         self.cache: dict[str, torch.Tensor] = {}
 
@@ -61,6 +63,18 @@ class EncoderRunner:
             return None
         return torch.cat(indices).to(self.device, non_blocking=True), torch.cat(rows)
 
+    def bidirectional_spans(self, step: Any, requests: Mapping[str, Any]) -> list[list[tuple[int, int]]] | None:
+        """Per request of the step, the ``(start, end)`` positions of the items the step computes,
+        for a model whose items attend within themselves both ways; None otherwise."""
+        if not self.bidirectional_item_attention:
+            return None
+        spans = []
+        for b, req_id in enumerate(step.req_ids):
+            start = int(step.num_computed[b])
+            end = start + int(step.num_scheduled[b])
+            spans.append([(f.offset, f.end) for f in requests[req_id].mm_features if f.offset < end and f.end > start])
+        return spans if any(spans) else None
+
     def _encode(self, features: list[Any]) -> None:
         """One encoder call per modality and input shape over the items not cached yet."""
         groups: dict[tuple, list[Any]] = {}
@@ -93,21 +107,26 @@ class EncoderRunner:
         del outputs
 
 
-def make_encoder_runner(vllm_config: Any, model: torch.nn.Module, device: torch.device,
-                        dtype: torch.dtype) -> EncoderRunner | None:
+def make_encoder_runner(vllm_config: Any, model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                        attn_backend: Any) -> EncoderRunner | None:
     """The encoder runner of a multimodal model (None for a text model)."""
     from pagedlm.core.distributed import get_pp_group
-    from pagedlm.core.multimodal.registry import is_multimodal_model
+    from pagedlm.core.multimodal.registry import create_processor
 
-    if not is_multimodal_model(vllm_config.model_config):
+    processor = create_processor(vllm_config.model_config)
+    if processor is None:
         return None
+    bidirectional = processor.bidirectional_item_attention
+    if bidirectional and not getattr(attn_backend, "supports_bidirectional_spans", False):
+        raise ValueError(f"{type(model).__name__} attends bidirectionally within an image, which attention backend "
+                         f"{attn_backend.name!r} does not support yet (the CPU backend does)")
     if not supports_multimodal(model):
         raise ValueError(f"{type(model).__name__} is registered as multimodal but has no embed_multimodal")
     if get_pp_group().world_size > 1:
         raise ValueError("multimodal models do not run with pipeline parallelism yet (pipeline_parallel_size > 1)")
     if vllm_config.model_config.enable_prompt_embeds:
         raise ValueError("enable_prompt_embeds=True is not supported with a multimodal model yet")
-    return EncoderRunner(model, device, dtype)
+    return EncoderRunner(model, device, dtype, bidirectional_item_attention=bidirectional)
 
 
 @contextlib.contextmanager

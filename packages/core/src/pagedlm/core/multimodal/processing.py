@@ -54,8 +54,25 @@ class BaseMultiModalProcessor:
 
     @property
     def image_token_id(self) -> int:
-        """The placeholder token of an image (its run of embeddings)."""
+        """The token of an image's run of embeddings (one per encoder output row)."""
         raise NotImplementedError
+
+    @property
+    def placeholder_token_id(self) -> int:
+        """What a token-id prompt holds once per image (``placeholder_str``'s token)."""
+        return self.image_token_id
+
+    def expanded_placeholder_ids(self) -> list[int]:
+        """What one placeholder token of a token-id prompt becomes (HF's expansion)."""
+        return [self.image_token_id] * self.num_image_tokens()
+
+    #: whether an item's tokens attend to each other in both directions (Gemma 3's images): the
+    #: attention backend is told their spans, and the scheduler never ends a chunk inside one
+    bidirectional_item_attention: bool = False
+
+    def hf_images(self, images: list[Any]) -> Any:
+        """``images`` of one prompt as the HF processor's ``images`` argument."""
+        return images
 
     def num_image_tokens(self) -> int:
         """Placeholder tokens of one image (after HF's resize and crop, every image has them)."""
@@ -140,7 +157,7 @@ class BaseMultiModalProcessor:
             if found != len(images):
                 raise ValueError(self._mismatch(found, len(images)))
             if images:
-                out = self.hf_processor(text=[prompt], images=images, return_tensors="pt",
+                out = self.hf_processor(text=[prompt], images=self.hf_images(images), return_tensors="pt",
                                         add_special_tokens=add_special_tokens)
                 token_ids = out["input_ids"][0].tolist()
                 pixel_values = out["pixel_values"]
@@ -149,18 +166,22 @@ class BaseMultiModalProcessor:
                 pixel_values = None
         else:
             token_ids = list(prompt)
-            found = token_ids.count(self.image_token_id)
             n = self.num_image_tokens()
-            # NOTE: ids already expanded (n placeholder tokens per image, as HF's processor and this
+            # NOTE: ids already expanded (n image tokens per image, as HF's processor and this
             # method write them) are taken as they are.
-            if found != len(images) * n:
+            if token_ids.count(self.image_token_id) != len(images) * n:
+                placeholder = self.placeholder_token_id
+                found = token_ids.count(placeholder)
                 if found != len(images):
                     raise ValueError(self._mismatch(found, len(images)) + " (a token-id prompt has one "
-                                     f"placeholder token, id {self.image_token_id}, per image, or {n} per image "
-                                     "when already expanded)")
+                                     f"placeholder token, id {placeholder}, per image, or is already expanded)")
+                replacement = self.expanded_placeholder_ids()
                 expanded: list[int] = []
                 for t in token_ids:
-                    expanded.extend([t] * n if t == self.image_token_id else [t])
+                    if t == placeholder:
+                        expanded.extend(replacement)
+                    else:
+                        expanded.append(t)
                 token_ids = expanded
             pixel_values = self.image_processor(images, return_tensors="pt")["pixel_values"] if images else None
         return token_ids, self._features(token_ids, images, pixel_values)

@@ -76,35 +76,114 @@ def make_tiny_llava_checkpoint(out_dir: str | os.PathLike[str], *, seed: int = 0
     return str(out)
 
 
+GEMMA3_IMAGE_TOKENS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+#: SigLIP's geometry in the tiny Gemma 3 checkpoint: 28 px images of 7 px patches (a 4 x 4 grid),
+#: pooled to 2 x 2 -> 4 soft tokens per image
+GEMMA3_TINY_IMAGE_SIZE = 28
+
+
+def make_tiny_gemma3_vision_checkpoint(out_dir: str | os.PathLike[str], *, seed: int = 0, vocab_size: int = 512,
+                                       logit_scale: float = 8.0) -> str:
+    """Build a tiny random ``Gemma3ForConditionalGeneration`` checkpoint in ``out_dir``; returns it.
+
+    Vision: SigLIP, 2 layers of width 32, no pooling head; projector: 2 x 2 average pool, Gemma RMS
+    norm, projection. Text: the tiny Gemma 3 of :func:`~pagedlm.core.testing.make_tiny_checkpoint`
+    (head size 256, sliding window 8 on every other layer). ``<start_of_image>``,
+    ``<end_of_image>`` and ``<image_soft_token>`` are the last three ids.
+    """
+    import json
+
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3Processor,
+        GenerationConfig,
+        SiglipVisionConfig,
+    )
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from pagedlm.core.testing.checkpoints import _config
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build_bpe_tokenizer(out, vocab_size=vocab_size - len(GEMMA3_IMAGE_TOKENS))
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    tokenizer.add_tokens(list(GEMMA3_IMAGE_TOKENS), special_tokens=True)
+    boi, eoi, soft = tokenizer.convert_tokens_to_ids(list(GEMMA3_IMAGE_TOKENS))
+    assert len(tokenizer) == vocab_size and soft == vocab_size - 1
+    tokenizer.save_pretrained(str(out))
+    # HF's Gemma3Processor reads the image tokens from the tokenizer's named special tokens
+    path = out / "tokenizer_config.json"
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    cfg["extra_special_tokens"] = dict(zip(("boi_token", "eoi_token", "image_token"), GEMMA3_IMAGE_TOKENS))
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    text = _config("gemma3", vocab_size=vocab_size)
+    text.architectures = None
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=GEMMA3_TINY_IMAGE_SIZE, patch_size=7, vision_use_head=False)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                          boi_token_index=boi, eoi_token_index=eoi, image_token_index=soft,
+                          architectures=["Gemma3ForConditionalGeneration"])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Gemma3ForConditionalGeneration(config).to(torch.float32).eval()
+    _reinitialise(model, seed=seed, logit_scale=logit_scale)
+    model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    model.save_pretrained(str(out))
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil(size={"height": GEMMA3_TINY_IMAGE_SIZE,
+                                                      "width": GEMMA3_TINY_IMAGE_SIZE}),
+        tokenizer=tokenizer, image_seq_length=4)
+    processor.save_pretrained(str(out))
+    _pin_tokenizer_config(out)
+    return str(out)
+
+
 def _reinitialise(model: Any, *, seed: int, logit_scale: float) -> None:
     import torch
 
     gen = torch.Generator().manual_seed(seed)
     params = dict(model.named_parameters())
+    text = model.config.text_config
+    gemma = text.model_type.startswith("gemma")
+    has_qk_norm = any(name.endswith("q_norm.weight") for name in params)
     with torch.no_grad():
         for name in sorted(params):
             p = params[name]
             if name.endswith("norm.weight") or ("layer_norm" in name or "layrnorm" in name) and name.endswith("weight"):
-                p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+                w = 0.5 + torch.rand(p.shape, generator=gen)
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    w *= 2.0  # Gemma normalises q and k: their scale lives here
+                p.copy_(w)
             elif name.endswith(".bias"):
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("language_model.embed_tokens.weight") and gemma:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(text.hidden_size))  # scaled by sqrt(hidden)
             elif p.dim() == 1 or "embed" in name:  # class embedding, token and position embeddings
                 p.copy_(torch.randn(p.shape, generator=gen))
             else:
-                fan_in = math.prod(p.shape[1:])
+                # [in, out] for Gemma's projection (x @ W), [out, in, ...] for the rest
+                fan_in = p.shape[0] if name.endswith("mm_input_projection_weight") else math.prod(p.shape[1:])
                 std = 1.0 / math.sqrt(fan_in)
-                if name.endswith(("q_proj.weight", "k_proj.weight")):
+                if name.endswith(("q_proj.weight", "k_proj.weight")) and not has_qk_norm:
                     std *= 2.0  # attention that selects positions (see checkpoints._QK_GAIN)
                 p.copy_(std * torch.randn(p.shape, generator=gen))
-        model.model.language_model.norm.weight.mul_(logit_scale)
+        norm = model.model.language_model.norm.weight
+        if gemma:  # zero-centred: the scale is 1 + w
+            norm.copy_(logit_scale * (0.5 + torch.rand(norm.shape, generator=gen)) - 1.0)
+        else:
+            norm.mul_(logit_scale)
 
 
-def load_hf_llava(model_dir: str | os.PathLike[str]) -> tuple[Any, Any]:
-    """(HF model in float32 on the CPU, its processor)."""
+def load_hf_vlm(model_dir: str | os.PathLike[str]) -> tuple[Any, Any]:
+    """(HF model in float32 on the CPU, its processor) of a vision-language checkpoint."""
     import torch
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    model = LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     return model, AutoProcessor.from_pretrained(str(model_dir))
 
 
@@ -116,7 +195,9 @@ def hf_multimodal_greedy(model: Any, processor: Any, prompts: Sequence[tuple[str
 
     results = []
     for text, images in prompts:
-        inputs = processor(text=[text], images=list(images) or None, return_tensors="pt",
+        nested = type(processor).__name__ == "Gemma3Processor"  # it takes a list of images per prompt
+        batch_images = ([list(images)] if nested else list(images)) if images else None
+        inputs = processor(text=[text], images=batch_images, return_tensors="pt",
                            add_special_tokens=add_special_tokens)
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)

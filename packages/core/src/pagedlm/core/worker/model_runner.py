@@ -199,7 +199,8 @@ class ModelRunner:
         if self.vllm_config.model_config.enable_prompt_embeds and embedding_body(self.model) is None:
             raise ValueError(f"enable_prompt_embeds=True needs a model whose body embeds its input through "
                              f"model.get_input_embeddings(input_ids); {type(self.model).__name__} has none")
-        self.encoder_runner = make_encoder_runner(self.vllm_config, self.model, self.device, self.dtype)
+        self.encoder_runner = make_encoder_runner(self.vllm_config, self.model, self.device, self.dtype,
+                                                  self.attn_backend)
         # The groups of this rank's layers; the engine core replaces them with the groups of every
         # rank's layers (pipeline stages hold different layers) before sizing the cache.
         self.set_kv_cache_groups(make_kv_cache_groups(self.get_kv_cache_specs()))
@@ -434,6 +435,8 @@ class ModelRunner:
             num_actual_tokens=int(step.query_start_loc[-1]),
             max_query_len=int(step.num_scheduled.max()),
             max_seq_len=int(step.seq_lens.max()),
+            bidirectional_spans=(self.encoder_runner.bidirectional_spans(step, self.input_batch.requests)
+                                 if self.encoder_runner is not None else None),
         )
 
     def _prompt_logprobs(self, step: StepInputs, states: list, hidden_states: torch.Tensor) -> dict[str, LogprobsLists]:

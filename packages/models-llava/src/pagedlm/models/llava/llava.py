@@ -22,8 +22,9 @@ from torch import nn
 
 from pagedlm.core.config import VllmConfig
 from pagedlm.core.layers import QKV_GATE_UP_STACKED_PARAMS, CausalLM, maybe_prefix
+from pagedlm.core.layers.vision import vision_activation
 from pagedlm.models.llama.modeling import SKIPPED_WEIGHTS, LlamaModel
-from pagedlm.models.llava.clip import CLIPVisionTower, vision_activation
+from pagedlm.models.llava.clip import CLIPVisionTower
 
 #: checkpoint name prefix -> ours (first match wins)
 _RENAMES = (
