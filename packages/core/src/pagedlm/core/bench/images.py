@@ -86,8 +86,10 @@ def run_hf_generate(llm_outputs: list[Any], prompts: list[dict[str, Any]], proce
         images = [im for r in reqs for im in r["multi_modal_data"]["image"]]
         pixels = processor.image_processor(images, return_tensors="pt")["pixel_values"].to(device=device, dtype=dtype)
         batches.append((input_ids, mask, pixels, max(len(c.token_ids) for o in outs for c in o.outputs)))
+    from pagedlm.core.platforms import resolve_platform
+
     num_out = 0
-    sync = getattr(torch, device.split(":")[0]).synchronize if device.startswith("cuda") else (lambda: None)
+    sync = resolve_platform(device).synchronize
     sync()
     start_t = time.perf_counter()
     with torch.inference_mode():
