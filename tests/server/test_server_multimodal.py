@@ -76,5 +76,5 @@ def test_placeholder_in_text_without_images_is_400(llava_client):
 
 
 def test_text_model_server_refuses_image_parts(client):
-    with pytest.raises(openai.BadRequestError, match="image content parts need a multimodal model"):
+    with pytest.raises(openai.BadRequestError, match="image_url parts need a multimodal model"):
         client.chat.completions.create(model="tiny-llama", messages=_messages(data_url(IMAGE)), max_tokens=2)

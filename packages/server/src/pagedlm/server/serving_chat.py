@@ -76,9 +76,11 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
             texts = []
             for j, part in enumerate(content):
                 if part.type != "text" or part.text is None:
-                    raise APIError(f"{param}[{i}].content[{j}].type={part.type!r} is not supported here: this "
-                                   "endpoint takes text parts only ({\"type\": \"text\", \"text\": ...}); image_url "
-                                   "parts go to /v1/chat/completions of a multimodal model",
+                    hint = ("image_url parts are taken by /v1/chat/completions only"
+                            if state.engine.processor.mm_processor is not None
+                            else "image_url parts need a multimodal model")
+                    raise APIError(f"{param}[{i}].content[{j}].type={part.type!r} is not supported here: text parts "
+                                   f"only ({{\"type\": \"text\", \"text\": ...}}); {hint}",
                                    param=f"{param}[{i}].content[{j}].type")
                 texts.append(part.text)
             content = "\n".join(texts)

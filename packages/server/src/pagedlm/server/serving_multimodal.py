@@ -37,6 +37,8 @@ async def multimodal_chat_prompt(state: ServerState, req: ChatCompletionRequest,
                                  ) -> tuple[dict[str, Any], str, list[int]] | None:
     """(engine prompt, prompt text, prompt token ids) of a conversation with image parts; None
     when it has none (the text-only path handles it)."""
+    if state.engine.processor.mm_processor is None:
+        return None  # a text model: the text path refuses image parts, naming them
     conversation = [m.model_dump(exclude_none=True) for m in messages]
     if not has_image_parts(conversation):
         return None
