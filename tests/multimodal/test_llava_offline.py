@@ -158,3 +158,26 @@ def test_text_models_refuse_images(tiny_llama):
     llm = LLM(model=tiny_llama, dtype="float32", device="cpu", kv_cache_memory_bytes=4 << 20)
     with pytest.raises(ValueError, match="is not a multimodal model"):
         llm.generate([{"prompt": "a <image>", "multi_modal_data": {"image": IMAGES[0]}}], GREEDY, use_tqdm=False)
+
+
+def test_chat_falls_back_to_the_processors_template(tiny_llava, tmp_path):
+    """As llava-hf's checkpoints: the chat template ships with the processor, not the tokenizer."""
+    import json
+    import shutil
+
+    model = tmp_path / "llava"
+    shutil.copytree(tiny_llava, model)
+    tokenizer_config = json.loads((model / "tokenizer_config.json").read_text())
+    del tokenizer_config["chat_template"]
+    (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    processor_config = json.loads((model / "processor_config.json").read_text())
+    processor_config["chat_template"] = (
+        "{% for m in messages %}USER: {% for p in m['content'] %}{% if p['type'] == 'image' %}<image>\n"
+        "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endfor %} ASSISTANT:")
+    (model / "processor_config.json").write_text(json.dumps(processor_config))
+    llm = LLM(model=str(model), dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20)
+    assert not llm.get_tokenizer().chat_template
+    message = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(IMAGES[0])}},
+                                            {"type": "text", "text": "hi"}]}]
+    assert llm.chat(message, GREEDY, use_tqdm=False)[0].prompt == "USER: <image>\nhi ASSISTANT:"

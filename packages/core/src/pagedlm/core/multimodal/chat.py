@@ -102,6 +102,9 @@ def render_multimodal_chat(tokenizer: Any, processor: Any, model_config: Any,
     if processor is None:
         archs = ", ".join(model_config.architectures) or "this model"
         raise ValueError(f"{param}: image content parts need a multimodal model; {archs} takes text only")
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        # as vLLM: a checkpoint whose template ships with its processor only (llava-hf's)
+        chat_template = getattr(processor.hf_processor, "chat_template", None)
     if content_format == "auto":
         content_format = detect_content_format(tokenizer, chat_template)
     messages, images = parse_chat_messages(
