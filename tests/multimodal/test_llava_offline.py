@@ -181,3 +181,12 @@ def test_chat_falls_back_to_the_processors_template(tiny_llava, tmp_path):
     message = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(IMAGES[0])}},
                                             {"type": "text", "text": "hi"}]}]
     assert llm.chat(message, GREEDY, use_tqdm=False)[0].prompt == "USER: <image>\nhi ASSISTANT:"
+
+
+def test_preemption_recomputes_images(tiny_llava, reference):
+    # 16 blocks of 4 tokens hold one or two of these requests at a time: the others are preempted
+    # (their encoder references dropped) and recomputed from their images when they resume.
+    llm = LLM(model=tiny_llava, dtype="float32", device="cpu", block_size=4, num_gpu_blocks_override=16,
+              max_model_len=64, max_num_batched_tokens=16)
+    assert _tokens(llm.generate(_requests(PROMPTS), GREEDY, use_tqdm=False)) == reference
+    assert llm.llm_engine.core.scheduler.num_preemptions_total > 0
