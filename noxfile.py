@@ -29,6 +29,8 @@ CPU_CONSTRAINTS = str(ROOT / "constraints" / "cpu.txt")
 TEST_DEPS = [
     "pytest",
     "pytest-timeout",
+    # tests/multimodal, tests/server: images (pagedlm-models-llava, pagedlm-models-gemma[vision])
+    "pillow",
     # tests/plugins builds a third-party plugin with --no-build-isolation.
     "hatchling",
     # tests/server: the real OpenAI client against `pagedlm serve`, responses checked against

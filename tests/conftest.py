@@ -85,3 +85,27 @@ def tiny_llama(tiny_checkpoint_factory: Callable[..., str]) -> str:
     The same directory as ``tiny_checkpoints["llama"]``, without building the other three.
     """
     return tiny_checkpoint_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Directory of a tiny random LLaVA-1.5 checkpoint (CLIP + Llama, processor and tokenizer)."""
+    from pagedlm.core.testing.multimodal import make_tiny_llava_checkpoint
+
+    return make_tiny_llava_checkpoint(tmp_path_factory.mktemp("tiny-llava"))
+
+
+@pytest.fixture(scope="session")
+def hf_llava(tiny_llava: str) -> Any:
+    """(HF transformers' model in float32 on the CPU, its processor) of ``tiny_llava``."""
+    from pagedlm.core.testing.multimodal import load_hf_vlm
+
+    return load_hf_vlm(tiny_llava)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_vision(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Directory of a tiny random Gemma 3 vision checkpoint (SigLIP + Gemma 3, processor, tokenizer)."""
+    from pagedlm.core.testing.multimodal import make_tiny_gemma3_vision_checkpoint
+
+    return make_tiny_gemma3_vision_checkpoint(tmp_path_factory.mktemp("tiny-gemma3-vision"))

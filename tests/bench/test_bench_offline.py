@@ -197,3 +197,28 @@ def test_prefix_offload_tier_on_vs_off(tiny_llama, tmp_path):
     assert tier["offload_tier_hit_tokens"] == tier["cached_prompt_tokens"] == 4 * 64
     assert tier["prefill_tokens_computed"] == 576 - 256 and tier["hit_rate"] > no_tier["hit_rate"]
     assert r["offload_prefill_tokens_saved"] == 256
+def test_throughput_with_images_against_hf_generate(tiny_llava, tmp_path, capsys):
+    r = _run(["bench", "throughput", "--model", tiny_llava, *CPU, "--num-prompts", "4", "--input-len", "12",
+              "--output-len", "4", "--images-per-request", "1", "--image-size", "60", "--compare", "hf",
+              "--hf-batch-size", "2", "--max-model-len", "64"], tmp_path / "t.json")
+    assert "images/s" in capsys.readouterr().out
+    assert r["num_images"] == 4 and r["images_per_s"] == pytest.approx(4 / r["elapsed_s"])
+    assert r["total_input_tokens"] == 4 * (12 + 16)  # one placeholder per image, expanded to 16 tokens
+    assert r["prefix_cached_tokens"] == 0  # distinct images: nothing shared
+    hf = r["hf"]
+    assert "error" not in hf, hf
+    assert hf["api"] == "generate" and hf["total_output_tokens"] == 16 and _positive(hf["images_per_s"])
+    assert r["speedup_vs_hf"] == pytest.approx(r["output_tokens_per_s"] / hf["output_tokens_per_s"])
+
+
+def test_llava_model_config_with_images(tmp_path):
+    # The published LLaVA-1.5-7B config (no processor or tokenizer files: CLIP's default image
+    # preprocessing, 576 tokens per 336 px image), shrunk through --hf-overrides to run on a CPU.
+    small = ('{"text_config": {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 64, '
+             '"num_attention_heads": 2, "num_key_value_heads": 2}, "vision_config": {"num_hidden_layers": 2, '
+             '"hidden_size": 32, "intermediate_size": 32, "num_attention_heads": 2}}')
+    r = _run(["bench", "throughput", "--model-config", "llava-1.5-7b", "--load-format", "dummy", *CPU,
+              "--num-prompts", "2", "--input-len", "8", "--output-len", "2", "--images-per-request", "1",
+              "--max-model-len", "1024", "--hf-overrides", small], tmp_path / "l.json")
+    assert r["engine"]["model"] == "llava-1.5-7b" and r["num_images"] == 2
+    assert r["total_input_tokens"] == 2 * (8 + 576) and r["total_output_tokens"] == 4

@@ -35,6 +35,7 @@ _SAME_NAME = {
     "platforms": ("pagedlm_register_platforms", ("toydev", "{p}.m:Platform", bool)),
     "attention_backends": ("pagedlm_register_attention_backends", ("toy_attn", "{p}.m:Backend")),
     "ops": ("pagedlm_register_ops", ("rms_norm", "cpu", "{p}.m:rms_norm")),
+    "multimodal_processors": ("pagedlm_register_multimodal_processors", ("ToyForConditionalGeneration", "{p}.m:P")),
 }
 
 

@@ -103,6 +103,12 @@ class ModelConfig(_Freezable):
     logits_processors: list[Any] | None = None
     #: accept ``{"prompt_embeds": tensor}`` prompts (vLLM's ``enable_prompt_embeds``)
     enable_prompt_embeds: bool = False
+    #: multimodal models (docs/multimodal.md, vLLM's names): most items per prompt by modality
+    #: (default 999 each); the directory chat ``file://`` image URLs may read (default: none);
+    #: the hosts http(s) image URLs may be fetched from (default: none, no fetching)
+    limit_mm_per_prompt: dict[str, int] | None = None
+    allowed_local_media_path: str = ""
+    allowed_media_domains: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.logits_processors is not None:

@@ -41,6 +41,16 @@ def bench_hf_timeout_s() -> float:
     return float(os.environ.get("PAGEDLM_BENCH_HF_TIMEOUT", 3600))
 
 
+def image_fetch_timeout_s() -> float:
+    """``VLLM_IMAGE_FETCH_TIMEOUT`` (vLLM's name): seconds an http(s) image URL may take (default 5)."""
+    return float(os.environ.get("VLLM_IMAGE_FETCH_TIMEOUT", 5))
+
+
+def max_image_fetch_bytes() -> int:
+    """``PAGEDLM_MAX_IMAGE_FETCH_BYTES``: the largest image an http(s) URL may return (default 20 MiB)."""
+    return int(os.environ.get("PAGEDLM_MAX_IMAGE_FETCH_BYTES", 20 * 2**20))
+
+
 #: vLLM's (pre-``ProfilerConfig``) profiler variables, which pagedlm honours: name -> field
 _VLLM_PROFILER_VARS = {
     "VLLM_TORCH_PROFILER_DIR": "torch_profiler_dir",
@@ -108,7 +118,7 @@ def check_vllm_environment() -> None:
             "last bits with the batch mix (greedy tokens in its parity tests do not). Unset VLLM_BATCH_INVARIANT."
         )
     logger = init_logger(__name__)
-    honoured = set(_VLLM_PROFILER_VARS) | {"VLLM_ALLOW_RUNTIME_LORA_UPDATING"}
+    honoured = set(_VLLM_PROFILER_VARS) | {"VLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_IMAGE_FETCH_TIMEOUT"}
     for name in sorted(k for k in os.environ if k.startswith("VLLM_") and k not in _warned_vllm | honoured):
         _warned_vllm.add(name)
         equivalent = _VLLM_EQUIVALENTS.get(name)

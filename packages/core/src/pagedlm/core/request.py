@@ -54,6 +54,9 @@ class EngineCoreRequest:
     prompt_embeds: Any = None
     #: the LoRA adapter to run with (``pagedlm.core.lora.LoRARequest``), None: the base model
     lora_request: Any = None
+    #: multimodal items (``MultiModalFeature``) in prompt order; their placeholder tokens are in
+    #: ``prompt_token_ids``
+    mm_features: list[Any] | None = None
 
 
 class Request:
@@ -73,9 +76,12 @@ class Request:
         max_tokens: int | None = None,
         prompt_embeds: Any = None,
         lora_request: Any = None,
+        mm_features: list[Any] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_embeds = prompt_embeds
+        #: multimodal items in prompt order (their hashes enter the block hashes of their blocks)
+        self.mm_features: list[Any] = mm_features or []
         #: what the prefix-cache hash chain starts from: None (the root) for token ids; for a
         #: prompt given as embeddings, a digest of them (its placeholder ids say nothing); with
         #: a LoRA adapter, also the adapter (two adapters never share KV blocks)
@@ -123,7 +129,7 @@ class Request:
         if max_tokens is None:
             max_tokens = max_model_len - len(req.prompt_token_ids)
         return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.arrival_time, max_tokens,
-                   prompt_embeds=req.prompt_embeds, lora_request=req.lora_request)
+                   prompt_embeds=req.prompt_embeds, lora_request=req.lora_request, mm_features=req.mm_features)
 
     @property
     def num_tokens(self) -> int:

@@ -137,9 +137,16 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool | None = None
 
 
+class ChatImageURL(OpenAIModel):
+    url: Text
+    detail: Text | None = None
+
+
 class ChatContentPart(OpenAIModel):
     type: Text
     text: Text | None = None
+    #: ``{"type": "image_url", "image_url": {"url": ...}}`` (multimodal models)
+    image_url: ChatImageURL | None = None
 
 
 class ChatMessage(OpenAIModel):

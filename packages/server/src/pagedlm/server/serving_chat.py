@@ -38,6 +38,7 @@ from pagedlm.server.serving_common import (
     until_disconnect,
     usage,
 )
+from pagedlm.server.serving_multimodal import multimodal_chat_prompt
 
 
 def check_messages_length(state: ServerState, messages: list[ChatMessage], param: str = "messages") -> None:
@@ -75,8 +76,11 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
             texts = []
             for j, part in enumerate(content):
                 if part.type != "text" or part.text is None:
-                    raise APIError(f"{param}[{i}].content[{j}].type={part.type!r} is not supported: this server "
-                                   "takes text parts only ({\"type\": \"text\", \"text\": ...})",
+                    hint = ("image_url parts are taken by /v1/chat/completions only"
+                            if state.engine.processor.mm_processor is not None
+                            else "image_url parts need a multimodal model")
+                    raise APIError(f"{param}[{i}].content[{j}].type={part.type!r} is not supported here: text parts "
+                                   f"only ({{\"type\": \"text\", \"text\": ...}}); {hint}",
                                    param=f"{param}[{i}].content[{j}].type")
                 texts.append(part.text)
             content = "\n".join(texts)
@@ -163,10 +167,14 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     params, num_logprobs = chat_params(state, req)
     stream = bool(req.stream)
     check_sequences(state, 1, params.n)
-    text, token_ids = await chat_prompt(state, req, req.messages, params)
+    multimodal = await multimodal_chat_prompt(state, req, req.messages, params)
+    if multimodal is None:
+        text, token_ids = await chat_prompt(state, req, req.messages, params)
+        prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": token_ids}
+    else:
+        prompt, text, token_ids = multimodal
     request_id = random_id("chatcmpl")
-    gen = state.engine.generate({"prompt": text, "prompt_token_ids": token_ids}, params, request_id,
-                                lora_request=state.lora_request(req.model))
+    gen = state.engine.generate(prompt, params, request_id, lora_request=state.lora_request(req.model))
     builder = _ChatBuilder(state, request_id, int(time.time()), num_logprobs, token_ids,
                            return_ids=bool(req.return_token_ids), prompt_logprobs=req.prompt_logprobs is not None,
                            echo=echo_text(req, req.messages), as_ids=bool(req.return_tokens_as_token_ids))

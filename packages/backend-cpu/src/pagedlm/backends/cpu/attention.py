@@ -71,6 +71,9 @@ class CpuAttentionGroup:
     #: ``sliding_window`` -> ``[R, Q, S]`` bool mask (True = attend); filled lazily by the first
     #: layer needing it and reused by every later layer of the step
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    #: ``([R, Q], [R, S])`` int64 span ids of query slots and key positions (-1: none): a query
+    #: also sees every key of its own span (``CommonAttentionMetadata.bidirectional_spans``)
+    span_ids: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -98,6 +101,9 @@ class CpuAttentionGroup:
         key_pos = torch.arange(self.max_seq_len, device=self.query_pos.device)[None, None, :]
         query_pos = self.query_pos[:, :, None]
         mask = key_pos <= query_pos
+        if self.span_ids is not None:
+            span_q, span_k = self.span_ids
+            mask |= (span_q[:, :, None] == span_k[:, None, :]) & (span_q[:, :, None] >= 0)
         if sliding_window is not None:
             mask &= key_pos > query_pos - sliding_window
         self.masks[sliding_window] = mask
@@ -188,7 +194,23 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata]
             out_index=out_index,
             query_pos=query_pos,
             context_slots=context_slots,
+            span_ids=_span_ids(common.bidirectional_spans, reqs_cpu, query_pos, max_s),
         )
+
+
+def _span_ids(spans: list[list[tuple[int, int]]] | None, reqs_cpu: torch.Tensor, query_pos: torch.Tensor,
+              max_s: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Span ids ``([R, Q], [R, S])`` of the group's requests' bidirectional spans, or None."""
+    if spans is None or not any(spans[int(r)] for r in reqs_cpu):
+        return None
+    span_k = torch.full((len(reqs_cpu), max_s), -1, dtype=torch.int64)
+    for i, r in enumerate(reqs_cpu.tolist()):
+        for j, (start, end) in enumerate(spans[r]):
+            span_k[i, start:min(end, max_s)] = j
+    span_k = span_k.to(query_pos.device)
+    # a query's span is the span of the key at its own position (padding: position 0, harmless)
+    span_q = span_k.gather(1, query_pos.clamp(max=max_s - 1))
+    return span_q, span_k
 
 
 class CpuPagedAttentionImpl(AttentionImpl[CpuAttentionMetadata]):
@@ -369,6 +391,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
     supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3")
     # NOTE: the tensors would work anywhere, but only the CPU platform's runner builds its metadata
     supported_devices = ("cpu",)
+    supports_bidirectional_spans = True
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:

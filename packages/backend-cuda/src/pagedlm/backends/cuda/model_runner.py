@@ -43,6 +43,7 @@ from pagedlm.core.distributed import PP_TENSOR_NAMES, IntermediateTensors, get_p
 from pagedlm.core.forward_context import set_forward_context
 from pagedlm.core.layers.vocab_embedding import LogitsProcessor
 from pagedlm.core.logger import init_logger
+from pagedlm.core.multimodal.encoder_runner import multimodal_embeddings, profile_encoder
 from pagedlm.core.sample import build_sampling_metadata
 from pagedlm.core.sampling_params import SamplingParams
 from pagedlm.core.worker.input_batch import StepInputs
@@ -292,7 +293,9 @@ class CudaModelRunner(ModelRunner):
         embeds = None
         if self.vllm_config.model_config.enable_prompt_embeds:
             embeds = gather_step_prompt_embeds(step, self.input_batch.requests, self.device, self.dtype)
-        if embeds is None and self._graphs and num_tokens == num_reqs and num_reqs <= self.max_capture_size:
+        # NOTE: steps with prompt or image embeddings run eagerly (graphs embed token ids only)
+        eager = embeds is not None or step.mm_embeds is not None
+        if not eager and self._graphs and num_tokens == num_reqs and num_reqs <= self.max_capture_size:
             padded = int(self._pad_to[num_reqs])
             self._stage(step, padded, padded)
             self.feed_sampled_tokens(self._step_buf[:num_tokens], step)
@@ -300,7 +303,7 @@ class CudaModelRunner(ModelRunner):
             replay()
             self._graph_logits = logits[:num_reqs]
             return hidden[:num_tokens]
-        if embeds is None and self._mixed_graphs and num_tokens <= self.max_mixed_capture_size:
+        if not eager and self._mixed_graphs and num_tokens <= self.max_mixed_capture_size:
             padded = self.mixed_capture_sizes[bisect.bisect_left(self.mixed_capture_sizes, num_tokens)]
             self._stage(step, padded, self.max_num_reqs, mixed=True)
             self.feed_sampled_tokens(self._step_buf[:num_tokens], step)
@@ -310,7 +313,7 @@ class CudaModelRunner(ModelRunner):
         metadata = self._metadata(self._stage(step, num_tokens, num_reqs))
         input_ids, positions = self._ids_positions(num_tokens)
         self.feed_sampled_tokens(input_ids, step)
-        with set_forward_context(metadata):
+        with set_forward_context(metadata), multimodal_embeddings(self.model, step.mm_embeds):
             if embeds is None:
                 return self.model(input_ids, positions)
             body = embedding_body(self.model)
@@ -358,6 +361,7 @@ class CudaModelRunner(ModelRunner):
         n = self.max_num_tokens
         self._step_buf.zero_()
         start = time.perf_counter()
+        profile_encoder(self.vllm_config, self.encoder_runner)
         with set_forward_context(None):
             hidden = self._stage_forward(n)
         if hidden is None:  # a pipeline stage before the last: no logits here

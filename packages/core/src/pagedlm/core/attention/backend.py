@@ -45,6 +45,10 @@ class CommonAttentionMetadata:
     #: ``[B]`` int32, device: the requests by descending ``seq_len``, for backends that balance
     #: decode work across the GPU (longest first); ``None`` when the runner does not provide it
     decode_order: torch.Tensor | None = None
+    #: ``[B]`` lists of ``(start, end)`` absolute positions whose tokens also attend to each other
+    #: forward (the images of a model with bidirectional attention over an image, Gemma 3), for
+    #: backends with ``supports_bidirectional_spans``; None when the step has none
+    bidirectional_spans: list[list[tuple[int, int]]] | None = None
 
 
 M = TypeVar("M")
@@ -143,6 +147,8 @@ class AttentionBackend(ABC):
     #: kernels take every per-step size from device tensors, none from host ints captured in
     #: the launch (vLLM's "full CUDA graph for any batch" support)
     supports_mixed_graphs: ClassVar[bool] = False
+    #: whether it honours ``CommonAttentionMetadata.bidirectional_spans``
+    supports_bidirectional_spans: ClassVar[bool] = False
 
     @staticmethod
     @abstractmethod

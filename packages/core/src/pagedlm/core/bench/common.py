@@ -20,7 +20,7 @@ from importlib import resources
 from typing import Any
 
 #: ``--model-config`` names -> JSON files shipped in ``pagedlm/core/bench/model_configs``
-MODEL_CONFIGS = ("qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b", "qwen3-30b-a3b", "mixtral-8x7b")
+MODEL_CONFIGS = ("qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b", "qwen3-30b-a3b", "mixtral-8x7b", "llava-1.5-7b")
 
 PERCENTILES = (50, 90, 99)
 

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from pagedlm.core.bench import common
+from pagedlm.core.bench.images import add_image_options, image_prompts, run_hf_generate, warm_up_images
 from pagedlm.core.bench.lora import RandomAdapters, add_lora_options, engine_overrides
 from pagedlm.core.bench.profile import profiled
 from pagedlm.core.bench.timeline import StepRecorder, write_timelines
@@ -24,6 +25,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_options(p)
     add_lora_options(p)
+    add_image_options(p)
     p.add_argument("--compare", choices=["hf"], default=None,
                    help="also run the workload through HF transformers' continuous batching and print the ratio")
     p.add_argument("--hf-attn-implementation", default="paged|sdpa",
@@ -38,6 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _need_len(args: argparse.Namespace) -> int | None:
+    if args.images_per_request:
+        return None  # image placeholders lengthen prompts: the model's own context
     if args.workload == "nano":
         return 2048  # nano's longest possible request (1024 + 1024); its bench.py uses 4096
     if args.workload == "fixed":
@@ -75,8 +79,9 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
     rss_mb = common.resident_memory_mb()
     engine = common.engine_summary(llm, setup)
     common.warm_up(llm, vocab)
+    warm_up_images(args, llm)
     recorder = None if data_parallel else StepRecorder(llm)
-    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    prompts = image_prompts(args, llm, workload.prompts) or [{"prompt_token_ids": p} for p in workload.prompts]
     params = workload.sampling_params()
     if recorder is not None:
         recorder.restart_clock()
@@ -116,6 +121,8 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
         "total_tokens_per_s": (num_in + num_out) / elapsed,
         **step_stats,
         "prefix_cached_tokens": sum(o.num_cached_tokens for o in outputs),
+        "num_images": args.images_per_request * len(outputs),
+        "images_per_s": args.images_per_request * len(outputs) / elapsed,
         "steps": steps,
     }
     if adapters is not None:
@@ -139,11 +146,21 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
         device = engine["device"]
         model_dir = str(setup.kwargs["model"])
         dummy = setup.kwargs.get("load_format") == "dummy"
+        mm_processor = llm.llm_engine.processor.mm_processor
         llm.shutdown()
-        del llm, outputs
+        del llm
         left = _release_device_memory(device)
-        result["hf"] = _compare(args, workload, model_dir=model_dir, dummy=dummy, dtype=dtype, device=device,
-                                kv_tokens=kv_tokens, engine=engine)
+        if args.images_per_request:
+            try:
+                result["hf"] = run_hf_generate(outputs, prompts, mm_processor, model_dir=model_dir, dummy=dummy,
+                                               dtype=dtype, device=device, batch_size=args.hf_batch_size,
+                                               seed=args.seed)
+            except Exception as e:  # noqa: BLE001 - HF's failure is a result to report
+                result["hf"] = {"error": f"{type(e).__name__}: {e}"}
+        else:
+            del outputs
+            result["hf"] = _compare(args, workload, model_dir=model_dir, dummy=dummy, dtype=dtype, device=device,
+                                    kv_tokens=kv_tokens, engine=engine)
         if left is not None:
             result["hf"]["device_memory_held_before_hf_gib"] = left
         if "output_tokens_per_s" in result["hf"]:
@@ -195,6 +212,8 @@ def _print(r: dict[str, Any]) -> None:
         kernels = "" if share is None else f"; LoRA kernels {share:.1%} of device time"
         rows.insert(2, ("LoRA", f"{r['lora']['num_loras']} adapters of rank {r['lora']['rank']}, requests "
                                 f"round-robin{kernels}"))
+    if r["num_images"]:
+        rows.append(("images/s", r["images_per_s"]))
     if r["num_steps"] is None:
         rows.insert(2, ("data parallel", f"{e['data_parallel_size']} replicas (steps, KV use and preemptions "
                                          "stay in their processes)"))
@@ -208,6 +227,8 @@ def _print(r: dict[str, Any]) -> None:
         if "error" in hf:
             rows.append(("HF transformers", f"failed: {hf['error']}"))
         else:
+            if "images_per_s" in hf:
+                rows.append(("HF images/s", hf["images_per_s"]))
             rows += [("HF elapsed (s)", hf["elapsed_s"]), ("HF output tokens/s", hf["output_tokens_per_s"]),
                      ("pagedlm / HF", f"{r['speedup_vs_hf']:.2f}x output tokens/s ({hf['api']}, "
                                       f"{hf['attn_implementation']})")]

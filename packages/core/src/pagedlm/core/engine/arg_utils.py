@@ -66,6 +66,11 @@ _HELP = {
     "config_format": "vLLM's option: 'auto' or 'hf' (config.json, or a GGUF file's metadata)",
     "logits_processors": "custom logits processors, 'package.module:Class' names of vLLM-style "
     "LogitsProcessor subclasses (pagedlm.core.v1.sample.logits_processor)",
+    "limit_mm_per_prompt": 'multimodal models: JSON object of the most items per prompt by modality, e.g. '
+    '\'{"image": 2}\' (default 999 each)',
+    "allowed_local_media_path": "multimodal chat: the directory file:// image URLs may read (default: none)",
+    "allowed_media_domains": "multimodal chat: hosts http(s) image URLs may be fetched from (default: none; "
+    "fetch limits: VLLM_IMAGE_FETCH_TIMEOUT seconds, PAGEDLM_MAX_IMAGE_FETCH_BYTES)",
     "enable_prompt_embeds": "accept {'prompt_embeds': tensor} prompts (embeddings instead of token ids)",
     "kv_transfer_config": 'JSON object of vLLM\'s KVTransferConfig: \'{"kv_connector": NAME, "kv_role": '
     '"kv_producer"|"kv_consumer"|"kv_both", "kv_connector_extra_config": {...}}\' (docs/distributed.md)',
@@ -130,6 +135,9 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     logits_processors: list[Any] | None = None
     enable_prompt_embeds: bool = False
+    limit_mm_per_prompt: dict[str, int] | None = None
+    allowed_local_media_path: str = ""
+    allowed_media_domains: list[str] | None = None
     profiler_config: dict[str, Any] | ProfilerConfig | None = None
     enable_lora: bool = False
     max_loras: int = 1
@@ -178,6 +186,9 @@ class EngineArgs:
                 quantization=self.quantization,
                 logits_processors=self.logits_processors,
                 enable_prompt_embeds=self.enable_prompt_embeds,
+                limit_mm_per_prompt=self.limit_mm_per_prompt,
+                allowed_local_media_path=self.allowed_local_media_path,
+                allowed_media_domains=self.allowed_media_domains,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,

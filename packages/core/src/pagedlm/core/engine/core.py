@@ -13,6 +13,7 @@ from pagedlm.core.executor import Executor
 from pagedlm.core.kv_cache import KVCacheManager
 from pagedlm.core.kv_cache.spec import KVCacheGroupSpec, group_size, make_kv_cache_groups, max_blocks_per_request
 from pagedlm.core.logger import init_logger
+from pagedlm.core.multimodal.encoder_cache import make_encoder_cache_manager
 from pagedlm.core.request import EngineCoreRequest, Request, RequestStatus
 from pagedlm.core.sched import EngineCoreOutput, Scheduler, SchedulerStats
 from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -69,6 +70,7 @@ class EngineCore:
             kv_connector=self._create_kv_connector(num_blocks),
             kv_load_failure_policy=(vllm_config.kv_transfer_config.kv_load_failure_policy
                                     if vllm_config.kv_transfer_config is not None else "recompute"),
+            encoder_cache=make_encoder_cache_manager(vllm_config),
         )
         self._stats_listeners: list[StatsListener] = []
         #: ``pause_scheduler``: nothing new is scheduled (batches in flight still finish)

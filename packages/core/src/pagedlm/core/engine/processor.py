@@ -30,6 +30,10 @@ class Processor:
         # NOTE: resolved here too (the workers build them), so a bad name fails at start-up and
         # every request's parameters are checked by each processor's validate_params.
         self.logits_processor_classes = configured_logits_processor_classes(self.model_config)
+        from pagedlm.core.multimodal.registry import create_processor
+
+        #: a multimodal model's input processor (HF's processors load on first use); None otherwise
+        self.mm_processor = create_processor(self.model_config)
 
     def tokenize_prompt(self, prompt: PromptType, *, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, prompt token ids)."""
@@ -76,13 +80,18 @@ class Processor:
         """``lora_request`` must have passed the engine's ``LoRARegistry.check``."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        embeds = None
+        embeds = mm_features = None
         if isinstance(prompt, Mapping) and "prompt_embeds" in prompt:
             embeds = self._prompt_embeds(prompt, params)
             text, token_ids = None, [0] * int(embeds.shape[0])  # placeholders: the runner reads the embeddings
+        elif isinstance(prompt, Mapping) and prompt.get("multi_modal_data") is not None:
+            from pagedlm.core.multimodal.prompt import process_multimodal_prompt
+
+            text, token_ids, mm_features = process_multimodal_prompt(self.mm_processor, self.model_config, prompt,
+                                                                     add_special_tokens=add_special_tokens)
         else:
             text, token_ids = self.tokenize_prompt(prompt, add_special_tokens=add_special_tokens)
-        self.validate(token_ids, params)
+        self.validate(token_ids, params, has_mm_data=mm_features is not None)
         for cls in self.logits_processor_classes:
             cls.validate_params(params)
         params = params.clone()
@@ -99,6 +108,7 @@ class Processor:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             prompt_embeds=embeds,
             lora_request=lora_request,
+            mm_features=mm_features,
         )
         return request, text
 
@@ -126,8 +136,10 @@ class Processor:
         dtype = self.model_config.dtype if isinstance(self.model_config.dtype, torch.dtype) else embeds.dtype
         return embeds.detach().to(device=HOST, dtype=dtype).contiguous()
 
-    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, token_ids: list[int], params: SamplingParams, *, has_mm_data: bool = False) -> None:
         num = len(token_ids)
+        if self.mm_processor is not None and not has_mm_data:
+            self.mm_processor.check_text_only(token_ids)
         if num == 0:
             raise ValueError("prompt is empty: it must contain at least one token")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]

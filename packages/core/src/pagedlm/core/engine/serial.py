@@ -8,7 +8,8 @@ build, cannot run code when decoded, and its layout is spelled out here:
     HELLO     None                                   handshake: proves the input pipe is connected
     ADD       [request_id, prompt_token_ids, arrival_time, [sampling_params fields...],
                prompt_embeds as [dtype name, shape, raw bytes] or None,
-               lora_request as [lora_name, lora_int_id, lora_path, base_model_name] or None]
+               lora_request as [lora_name, lora_int_id, lora_path, base_model_name] or None,
+               mm_features as [[modality, hash, offset, length, {name: tensor}], ...] or None]
     ABORT     [request_id, ...]                      engine (child) request ids
     SHUTDOWN  None                                   finish the loop, release the device, exit 0
     UTILITY   [call_id, EngineCore method, [args...]]  between steps (pause, profile, collective_rpc)
@@ -118,17 +119,37 @@ def _params_from_wire(values: list[Any]) -> SamplingParams:
 def encode_add(request: EngineCoreRequest) -> bytes:
     payload = [request.request_id, list(request.prompt_token_ids), request.arrival_time,
                _params_to_wire(request.sampling_params), _tensor_to_wire(request.prompt_embeds),
-               None if request.lora_request is None else request.lora_request.to_wire()]
+               None if request.lora_request is None else request.lora_request.to_wire(),
+               _features_to_wire(request.mm_features)]
     return encode(InputKind.ADD, payload)
 
 
 def request_from_wire(payload: list[Any]) -> EngineCoreRequest:
-    request_id, prompt_token_ids, arrival_time, params, embeds, lora = payload
+    request_id, prompt_token_ids, arrival_time, params, embeds, lora, features = payload
     from pagedlm.core.lora.request import LoRARequest
 
     return EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                              sampling_params=_params_from_wire(params), arrival_time=arrival_time,
-                             prompt_embeds=_tensor_from_wire(embeds), lora_request=LoRARequest.from_wire(lora))
+                             prompt_embeds=_tensor_from_wire(embeds), lora_request=LoRARequest.from_wire(lora),
+                             mm_features=_features_from_wire(features))
+
+
+
+def _features_to_wire(features: list[Any] | None) -> list[Any] | None:
+    if not features:
+        return None
+    return [[f.modality, f.identifier, f.offset, f.length, {k: _tensor_to_wire(v) for k, v in f.data.items()}]
+            for f in features]
+
+
+def _features_from_wire(value: list[Any] | None) -> list[Any] | None:
+    if not value:
+        return None
+    from pagedlm.core.multimodal.inputs import MultiModalFeature
+
+    return [MultiModalFeature(modality=m, identifier=h, offset=o, length=n,
+                              data={k: _tensor_from_wire(t) for k, t in data.items()})
+            for m, h, o, n, data in value]
 
 
 def _tensor_to_wire(tensor: Any) -> list[Any] | None:

@@ -114,14 +114,30 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         lora_request: Any = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of conversations (OpenAI-style messages)."""
+        """Generate replies to one conversation or a list of conversations (OpenAI-style messages).
+
+        A multimodal model takes image parts (``{"type": "image_url", "image_url": {"url": ...}}``
+        or ``{"type": "image_pil", "image_pil": PIL.Image}``); ``chat_template_content_format``
+        (auto, string or openai) says how the template takes content (docs/multimodal.md)."""
         from jinja2 import TemplateError
+
+        from pagedlm.core.multimodal.chat import has_image_parts, render_multimodal_chat
 
         tokenizer = self.get_tokenizer()
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts: list[PromptType] = []
         for conversation in conversations:
+            if has_image_parts(conversation):
+                try:
+                    prompts.append(render_multimodal_chat(
+                        tokenizer, self.llm_engine.processor.mm_processor, self.vllm_config.model_config,
+                        conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                        content_format=chat_template_content_format))
+                except TemplateError as e:
+                    raise ValueError(f"cannot apply the chat template: {e}") from e
+                continue
             try:
                 token_ids = tokenizer.apply_chat_template(
                     conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,

@@ -12,6 +12,8 @@ from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from pagedlm.core.multimodal.inputs import block_extra_keys
+
 if TYPE_CHECKING:
     from pagedlm.core.request import Request
 
@@ -21,14 +23,18 @@ if TYPE_CHECKING:
 _ROOT_PARENT_HASH = b"\x00" * hashlib.sha256().digest_size
 
 
-def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: bytes = b"") -> bytes:
     """Return the chained hash of one block.
 
     ``parent_hash`` is the previous block's hash, or None for a sequence's first block.
     Token ids are packed as int64 (machine byte order — hashes never leave the process).
+    ``extra_keys``: what else the block's K/V depend on (the hashes of the images whose
+    placeholders it holds).
     """
     hasher = hashlib.sha256(_ROOT_PARENT_HASH if parent_hash is None else parent_hash)
     hasher.update(array("q", token_ids).tobytes())
+    if extra_keys:
+        hasher.update(extra_keys)
     return hasher.digest()
 
 
@@ -46,7 +52,9 @@ def update_block_hashes(request: Request, block_size: int) -> None:
         return
     # NOTE: a prompt given as embeddings seeds the chain with their digest (placeholder ids).
     parent_hash = block_hashes[-1] if block_hashes else getattr(request, "block_hash_seed", None)
+    mm_features = getattr(request, "mm_features", None)
     for block_idx in range(num_hashed_blocks, num_full_blocks):
         start = block_idx * block_size
-        parent_hash = hash_block_tokens(parent_hash, token_ids[start : start + block_size])
+        extra = block_extra_keys(mm_features, start, start + block_size) if mm_features else b""
+        parent_hash = hash_block_tokens(parent_hash, token_ids[start : start + block_size], extra)
         block_hashes.append(parent_hash)

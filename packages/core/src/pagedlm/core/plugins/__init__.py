@@ -181,6 +181,11 @@ class Plugins:
         regs = self.collect("pagedlm_register_models", _model, "architecture")
         return {str(key): reg.value for key, reg in regs.items()}
 
+    def multimodal_processors(self) -> dict[str, str]:
+        """Architecture name -> ``"module:Class"`` of its multimodal input processor."""
+        regs = self.collect("pagedlm_register_multimodal_processors", _model, "multimodal architecture")
+        return {str(key): reg.value for key, reg in regs.items()}
+
     def attention_backends(self) -> dict[str, str]:
         """Attention backend name -> ``"module:Class"``."""
         regs = self.collect("pagedlm_register_attention_backends", _attention_backend, "attention backend")

@@ -38,6 +38,21 @@ def pagedlm_register_models(register: Callable[[str, str], None]) -> None:
 
 
 @hookspec
+def pagedlm_register_multimodal_processors(register: Callable[[str, str], None]) -> None:
+    """Register the input processors of multimodal (e.g. vision-language) models.
+
+    Call ``register(architecture, class_path)``: ``architecture`` is an HF ``architectures`` name
+    the model is also registered under (``pagedlm_register_models``); ``class_path`` is a
+    ``"module:Class"`` string naming a
+    :class:`pagedlm.core.multimodal.processing.BaseMultiModalProcessor` subclass (image
+    preprocessing and placeholder expansion through HF's ``AutoProcessor``, placeholder tokens per
+    item, dummy items for profiling), imported only when such a model is used. The model class then
+    takes ``multi_modal_data`` and implements ``embed_multimodal`` (docs/multimodal.md). Returns
+    nothing.
+    """
+
+
+@hookspec
 def pagedlm_register_platforms(register: Callable[..., None]) -> None:
     """Register hardware platforms.
 

@@ -23,6 +23,8 @@ class NewRequestData:
     prompt_embeds: Any = None
     #: the request's LoRA adapter (``pagedlm.core.lora.LoRARequest``), None: the base model
     lora_request: Any = None
+    #: multimodal items (``pagedlm.core.multimodal.inputs.MultiModalFeature``), in prompt order
+    mm_features: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -64,6 +66,10 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     #: the KV connector's metadata for the workers (kv_transfer_config), or None
     kv_connector_metadata: Any = None
+    #: req_id -> indices of its ``mm_features`` whose encoder outputs the workers compute this step
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    #: item hashes whose encoder outputs the workers drop (evicted from the encoder cache)
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -34,6 +34,7 @@ from pagedlm.core.distributed.kv_transfer.base import KVConnectorBase_V1
 from pagedlm.core.distributed.kv_transfer.scheduling import KVTransferScheduling
 from pagedlm.core.kv_cache import KVCacheManager
 from pagedlm.core.logger import init_logger
+from pagedlm.core.multimodal.encoder_cache import EncoderCacheManager
 from pagedlm.core.request import _FIRST_FINISHED, Request, RequestStatus
 from pagedlm.core.sched.output import (
     CachedRequestData,
@@ -93,6 +94,7 @@ class Scheduler:
         max_loras: int | None = None,
         kv_connector: KVConnectorBase_V1 | None = None,
         kv_load_failure_policy: str = "recompute",
+        encoder_cache: EncoderCacheManager | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self._no_block_ids: tuple[list[int], ...] = tuple([] for _ in kv_cache_manager.managers)
@@ -123,6 +125,8 @@ class Scheduler:
         self.kv_transfer = (KVTransferScheduling(kv_connector, kv_cache_manager,
                                                  fail_on_load_error=kv_load_failure_policy == "fail")
                             if kv_connector is not None else None)
+        #: multimodal models: the encoder outputs the workers hold and the budget to compute them
+        self.encoder_cache = encoder_cache
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -157,6 +161,8 @@ class Scheduler:
             free_now, params = self.kv_transfer.on_request_finished(request)
         if free_now:
             self.kv_cache_manager.free(request)
+        if self.encoder_cache is not None and request.mm_features:
+            self.encoder_cache.free_request(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
         return params
@@ -185,6 +191,10 @@ class Scheduler:
         no_block_ids = self._no_block_ids
         req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
         num_computed_col, new_token_ids_col = cached.num_computed_tokens, cached.new_token_ids
+        encoder = self.encoder_cache
+        scheduled_encoder_inputs: dict[str, list[int]] = {}
+        if encoder is not None:
+            encoder.begin_step()
 
         # 1. running requests, oldest first.
         running = self.running
@@ -209,6 +219,11 @@ class Scheduler:
             if num_new_tokens <= 0 or (num_placeholders and (
                     request.needs_output_history or num_tokens + num_placeholders >= request.max_num_tokens)):
                 continue
+            to_encode = None
+            if encoder is not None and request.mm_features and encoder.needs_plan(request, num_computed):
+                num_new_tokens, to_encode = encoder.plan(request, num_computed, num_new_tokens)
+                if num_new_tokens <= 0:
+                    continue  # its next image does not fit the encoder budget this step
             new_blocks = allocate_slots(request, num_new_tokens)
             while new_blocks is None:
                 victim = running.pop()
@@ -220,6 +235,10 @@ class Scheduler:
             if new_blocks is None:
                 break
             request_id = request.request_id
+            if to_encode is not None:
+                encoder.commit(request, num_computed, num_new_tokens, to_encode)  # type: ignore[union-attr]
+                if to_encode:
+                    scheduled_encoder_inputs[request_id] = to_encode
             num_scheduled_tokens[request_id] = num_new_tokens
             token_budget -= num_new_tokens
             if num_new_tokens == 1 and num_tokens > request.num_prompt_tokens:
@@ -277,6 +296,12 @@ class Scheduler:
                 if not self.enable_chunked_prefill:
                     break
                 num_new_tokens = token_budget
+            to_encode = None
+            if encoder is not None and request.mm_features:
+                num_new_tokens, to_encode = encoder.plan(request, num_computed, num_new_tokens,
+                                                         self.enable_chunked_prefill)
+                if num_new_tokens <= 0:
+                    break  # its image does not fit the encoder budget this step
             new_blocks = allocate_slots(
                 request, num_external + num_new_tokens, new_computed_blocks=computed_blocks,
                 num_new_computed_tokens=num_computed if computed_blocks is not None else 0,
@@ -288,6 +313,10 @@ class Scheduler:
                     kvt.on_sync_load(request, num_computed, num_external)
                     num_computed += num_external
                 kvt.on_admitted(request)
+            if to_encode is not None:
+                encoder.commit(request, num_computed, num_new_tokens, to_encode)  # type: ignore[union-attr]
+                if to_encode:
+                    scheduled_encoder_inputs[request.request_id] = to_encode
             self.waiting.popleft()
             running.append(request)
             if lora_gate is not None:
@@ -314,6 +343,7 @@ class Scheduler:
                         num_computed_tokens=num_computed,
                         prompt_embeds=request.prompt_embeds,
                         lora_request=request.lora_request,
+                        mm_features=request.mm_features,
                     )
                 )
             request.status = RequestStatus.RUNNING
@@ -337,6 +367,9 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
         )
+        if encoder is not None:
+            output.scheduled_encoder_inputs = scheduled_encoder_inputs
+            output.free_encoder_mm_hashes = encoder.end_step()
         self.finished_req_ids = set()
         if self.kv_transfer is not None:
             self.kv_transfer.build_meta(output)
@@ -345,6 +378,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if self.encoder_cache is not None and request.mm_features:
+            self.encoder_cache.free_request(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

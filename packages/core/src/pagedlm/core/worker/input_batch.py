@@ -41,6 +41,8 @@ class CachedRequestState:
     #: ``[num_prompt_tokens, hidden]`` (CPU) for a prompt given as embeddings; its
     #: ``prompt_token_ids`` are placeholders then
     prompt_embeds: Any = None
+    #: multimodal items (``MultiModalFeature``) in prompt order
+    mm_features: list[Any] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -67,6 +69,9 @@ class StepInputs:
     #: (``input_ids`` holds a stand-in there), and for each, its row in the last sampled tensor
     fed_token_indices: np.ndarray = field(default_factory=lambda: _EMPTY)  # [F]
     fed_sample_indices: np.ndarray = field(default_factory=lambda: _EMPTY)  # [F]
+    #: multimodal models: (flat token indices [N], encoder embeddings [N, hidden]) on the device
+    #: of the step's placeholder positions, set by the model runner; None when there are none
+    mm_embeds: Any = None
 
 
 class InputBatch:
@@ -124,6 +129,7 @@ class InputBatch:
                 req_id=new.req_id, row=row, prompt_token_ids=list(new.prompt_token_ids), sampling_params=params,
                 generator=generator, num_tokens=num_prompt, num_computed_tokens=new.num_computed_tokens,
                 num_blocks=[len(ids) for ids in new.block_ids], prompt_embeds=new.prompt_embeds,
+                mm_features=new.mm_features,
             )
         # One token per decode row is the common case: those are written in one numpy assignment.
         rows: list[int] = []

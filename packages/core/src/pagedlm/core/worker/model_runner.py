@@ -23,6 +23,7 @@ from pagedlm.core.kv_cache.spec import (
 from pagedlm.core.layers import custom_ops
 from pagedlm.core.logger import init_logger
 from pagedlm.core.model_loader import load_model
+from pagedlm.core.multimodal.encoder_runner import EncoderRunner, make_encoder_runner
 from pagedlm.core.platforms import HOST, resolve_platform
 from pagedlm.core.sample import (
     LogprobsTensors,
@@ -160,6 +161,8 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         #: the adapters' slots and per-step metadata (pagedlm.core.lora) when LoRA is enabled
         self.lora_manager: Any = None
+        #: multimodal models: runs the encoder and keeps its outputs (pagedlm.core.multimodal)
+        self.encoder_runner: EncoderRunner | None = None
         self.attention_layers: dict = {}
         #: one tensor per cache slot (kv_cache/spec.py): layer j of every KV-cache group uses slot j
         self.kv_caches: list[torch.Tensor] = []
@@ -208,6 +211,8 @@ class ModelRunner:
         if self.vllm_config.model_config.enable_prompt_embeds and embedding_body(self.model) is None:
             raise ValueError(f"enable_prompt_embeds=True needs a model whose body embeds its input through "
                              f"model.get_input_embeddings(input_ids); {type(self.model).__name__} has none")
+        self.encoder_runner = make_encoder_runner(self.vllm_config, self.model, self.device, self.dtype,
+                                                  self.attn_backend)
         # The groups of this rank's layers; the engine core replaces them with the groups of every
         # rank's layers (pipeline stages hold different layers) before sizing the cache.
         self.set_kv_cache_groups(make_kv_cache_groups(self.get_kv_cache_specs()))
@@ -289,6 +294,8 @@ class ModelRunner:
         if self.lora_manager is not None:
             self.lora_manager.prepare_step(step.req_ids, step.num_scheduled)
         assert self.model is not None
+        if self.encoder_runner is not None:
+            step.mm_embeds = self.encoder_runner.step_embeds(sched, step, batch.requests)
         if get_pp_group().world_size == 1:
             hidden_states = self.run_model(step)
         else:
@@ -363,6 +370,8 @@ class ModelRunner:
         embeds = None
         if self.vllm_config.model_config.enable_prompt_embeds:
             embeds = gather_step_prompt_embeds(step, self.input_batch.requests, self.device, self.dtype)
+        if step.mm_embeds is not None:
+            embeds = step.mm_embeds
         with set_forward_context(metadata):
             if embeds is None:
                 return self.model(input_ids, positions)
@@ -442,6 +451,8 @@ class ModelRunner:
             num_actual_tokens=int(step.query_start_loc[-1]),
             max_query_len=int(step.num_scheduled.max()),
             max_seq_len=int(step.seq_lens.max()),
+            bidirectional_spans=(self.encoder_runner.bidirectional_spans(step, self.input_batch.requests)
+                                 if self.encoder_runner is not None else None),
         )
 
     def _prompt_logprobs(self, step: StepInputs, states: list, hidden_states: torch.Tensor) -> dict[str, LogprobsLists]:

@@ -1,4 +1,4 @@
-"""pagedlm-models-gemma: Gemma 3 (text) for pagedlm, and Gemma 3 270M as the default model.
+"""pagedlm-models-gemma: Gemma 3 (text, and with images) for pagedlm, and Gemma 3 270M as the default model.
 
 The engine finds the model class through the plugin registry (``plugin.py``).
 
@@ -13,10 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedlm.models.gemma.gemma3 import Gemma3ForCausalLM
+    from pagedlm.models.gemma.gemma3_mm import Gemma3ForConditionalGeneration
+    from pagedlm.models.gemma.processing import Gemma3MultiModalProcessor
 
-__all__ = ["Gemma3ForCausalLM"]
+__all__ = ["Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Gemma3MultiModalProcessor"]
 
-_MODULES = {"Gemma3ForCausalLM": "pagedlm.models.gemma.gemma3"}
+_MODULES = {"Gemma3ForCausalLM": "pagedlm.models.gemma.gemma3",
+            "Gemma3ForConditionalGeneration": "pagedlm.models.gemma.gemma3_mm",
+            "Gemma3MultiModalProcessor": "pagedlm.models.gemma.processing"}
 
 
 def __getattr__(name: str) -> Any:

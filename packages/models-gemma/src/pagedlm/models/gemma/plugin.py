@@ -14,6 +14,12 @@ from pagedlm.core.plugins import hookimpl
 @hookimpl
 def pagedlm_register_models(register: Callable[[str, str], None]) -> None:
     register("Gemma3ForCausalLM", "pagedlm.models.gemma.gemma3:Gemma3ForCausalLM")
+    register("Gemma3ForConditionalGeneration", "pagedlm.models.gemma.gemma3_mm:Gemma3ForConditionalGeneration")
+
+
+@hookimpl
+def pagedlm_register_multimodal_processors(register: Callable[[str, str], None]) -> None:
+    register("Gemma3ForConditionalGeneration", "pagedlm.models.gemma.processing:Gemma3MultiModalProcessor")
 
 
 @hookimpl

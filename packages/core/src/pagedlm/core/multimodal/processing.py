@@ -1,0 +1,217 @@
+"""The per-model input processor: images in, placeholder-expanded token ids and features out.
+
+A model package subclasses :class:`BaseMultiModalProcessor` and registers it for its HF
+architecture (``pagedlm_register_multimodal_processors``). Image preprocessing and the expansion
+of a text prompt's placeholders are HF's own (``AutoProcessor`` of the checkpoint), so the ids
+and pixels match what HF transformers feeds its model; a token-id prompt carries one placeholder
+token per image, which is expanded here to the count HF's processor would write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pagedlm.core.multimodal.hasher import hash_image
+from pagedlm.core.multimodal.inputs import MultiModalFeature
+
+#: vLLM's default ``limit_mm_per_prompt`` for a modality the option does not name
+DEFAULT_LIMIT_PER_PROMPT = 999
+
+
+class BaseMultiModalProcessor:
+    """Images of one model family. Subclasses set :attr:`placeholder_str` and implement
+    :meth:`num_image_tokens` and :meth:`default_image_processor` from the HF config alone (the
+    engine core and the workers size the encoder cache and profile without loading a processor).
+    """
+
+    #: modality -> the text a chat template's plain-string content gets per item
+    placeholder_str: dict[str, str] = {"image": "<image>"}
+
+    def __init__(self, model_config: Any) -> None:
+        self.model_config = model_config
+        self.hf_config = model_config.hf_config
+        self._hf_processor: Any = None
+        self._image_processor: Any = None
+        limits = dict(getattr(model_config, "limit_mm_per_prompt", None) or {})
+        unknown = sorted(set(limits) - self.supported_modalities)
+        if unknown:
+            raise ValueError(f"limit_mm_per_prompt names modalities {unknown} that "
+                             f"{self.architecture} does not take; it takes {sorted(self.supported_modalities)}")
+        for modality, limit in limits.items():
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+                raise ValueError(f"limit_mm_per_prompt[{modality!r}]={limit!r} must be an integer >= 0")
+        self.limits = {m: int(limits.get(m, DEFAULT_LIMIT_PER_PROMPT)) for m in self.supported_modalities}
+
+    # -- what a subclass says about its model ------------------------------------------------
+    @property
+    def supported_modalities(self) -> set[str]:
+        return set(self.placeholder_str)
+
+    @property
+    def architecture(self) -> str:
+        return (self.model_config.architectures or ["?"])[0]
+
+    @property
+    def image_token_id(self) -> int:
+        """The token of an image's run of embeddings (one per encoder output row)."""
+        raise NotImplementedError
+
+    @property
+    def placeholder_token_id(self) -> int:
+        """What a token-id prompt holds once per image (``placeholder_str``'s token)."""
+        return self.image_token_id
+
+    def expanded_placeholder_ids(self) -> list[int]:
+        """What one placeholder token of a token-id prompt becomes (HF's expansion)."""
+        return [self.image_token_id] * self.num_image_tokens()
+
+    #: whether an item's tokens attend to each other in both directions (Gemma 3's images): the
+    #: attention backend is told their spans, and the scheduler never ends a chunk inside one
+    bidirectional_item_attention: bool = False
+
+    def hf_images(self, images: list[Any]) -> Any:
+        """``images`` of one prompt as the HF processor's ``images`` argument."""
+        return images
+
+    def num_image_tokens(self) -> int:
+        """Placeholder tokens of one image (after HF's resize and crop, every image has them)."""
+        raise NotImplementedError
+
+    def default_image_processor(self) -> Any:
+        """HF's image processor for a checkpoint that ships none (``--model-config`` presets)."""
+        raise NotImplementedError
+
+    def max_tokens_per_item(self, modality: str) -> int:
+        return self.num_image_tokens()
+
+    def dummy_images(self, count: int) -> list[Any]:
+        """``count`` images of the largest size the model takes (profiling)."""
+        from PIL import Image
+
+        size = int(self.hf_config.vision_config.image_size)
+        return [Image.new("RGB", (size, size), (127, 127, 127)) for _ in range(count)]
+
+    # -- HF's processors, loaded on first use ------------------------------------------------
+    @property
+    def hf_processor(self) -> Any:
+        if self._hf_processor is None:
+            from transformers import AutoProcessor
+
+            source = self.model_config.tokenizer or self.model_config.model
+            try:
+                self._hf_processor = AutoProcessor.from_pretrained(source)
+            except (OSError, ValueError, TypeError) as e:
+                raise ValueError(f"text prompts with multi_modal_data need the model's HF processor "
+                                 f"(processor_config.json + tokenizer) in {source}: {e}") from e
+        return self._hf_processor
+
+    @property
+    def image_processor(self) -> Any:
+        if self._image_processor is None:
+            if self._hf_processor is not None:
+                self._image_processor = self._hf_processor.image_processor
+            else:
+                from transformers import AutoImageProcessor
+
+                source = self.model_config.tokenizer or self.model_config.model
+                try:
+                    self._image_processor = AutoImageProcessor.from_pretrained(source)
+                except (OSError, ValueError, TypeError):
+                    self._image_processor = self.default_image_processor()
+        return self._image_processor
+
+    # -- a prompt ----------------------------------------------------------------------------
+    def parse_items(self, mm_data: Any) -> dict[str, list[Any]]:
+        """``multi_modal_data`` checked: modality -> its items (PIL images, RGB)."""
+        from PIL import Image
+
+        if not isinstance(mm_data, Mapping):
+            raise ValueError(f"multi_modal_data must be a dict such as {{'image': PIL.Image}}, "
+                             f"got {type(mm_data).__name__}")
+        items: dict[str, list[Any]] = {}
+        for modality, value in mm_data.items():
+            if modality not in self.supported_modalities:
+                raise ValueError(f"multi_modal_data[{modality!r}]: {self.architecture} takes "
+                                 f"{sorted(self.supported_modalities)} only")
+            values = list(value) if isinstance(value, (list, tuple)) else [value]
+            for i, item in enumerate(values):
+                if not isinstance(item, Image.Image):
+                    raise ValueError(f"multi_modal_data[{modality!r}][{i}] must be a PIL.Image.Image, "
+                                     f"got {type(item).__name__}")
+            limit = self.limits[modality]
+            if len(values) > limit:
+                raise ValueError(f"multi_modal_data[{modality!r}] has {len(values)} items but "
+                                 f"limit_mm_per_prompt allows at most {limit} per prompt "
+                                 f"(--limit-mm-per-prompt '{{\"{modality}\": N}}')")
+            items[modality] = [im if im.mode == "RGB" else im.convert("RGB") for im in values]
+        return items
+
+    def apply(self, prompt: str | Sequence[int], mm_data: Any, *,
+              add_special_tokens: bool = True) -> tuple[list[int], list[MultiModalFeature]]:
+        """(placeholder-expanded prompt token ids, one feature per item in prompt order)."""
+        images = self.parse_items(mm_data).get("image", [])
+        placeholder = self.placeholder_str["image"]
+        if isinstance(prompt, str):
+            found = prompt.count(placeholder)
+            if found != len(images):
+                raise ValueError(self._mismatch(found, len(images)))
+            if images:
+                out = self.hf_processor(text=[prompt], images=self.hf_images(images), return_tensors="pt",
+                                        add_special_tokens=add_special_tokens)
+                token_ids = out["input_ids"][0].tolist()
+                pixel_values = out["pixel_values"]
+            else:
+                token_ids = self.hf_processor.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+                pixel_values = None
+        else:
+            token_ids = list(prompt)
+            n = self.num_image_tokens()
+            # NOTE: ids already expanded (n image tokens per image, as HF's processor and this
+            # method write them) are taken as they are.
+            if token_ids.count(self.image_token_id) != len(images) * n:
+                placeholder = self.placeholder_token_id
+                found = token_ids.count(placeholder)
+                if found != len(images):
+                    raise ValueError(self._mismatch(found, len(images)) + " (a token-id prompt has one "
+                                     f"placeholder token, id {placeholder}, per image, or is already expanded)")
+                replacement = self.expanded_placeholder_ids()
+                expanded: list[int] = []
+                for t in token_ids:
+                    if t == placeholder:
+                        expanded.extend(replacement)
+                    else:
+                        expanded.append(t)
+                token_ids = expanded
+            pixel_values = self.image_processor(images, return_tensors="pt")["pixel_values"] if images else None
+        return token_ids, self._features(token_ids, images, pixel_values)
+
+    def check_text_only(self, token_ids: Sequence[int]) -> None:
+        """A prompt without multi_modal_data must not hold image placeholders (they have no embeddings)."""
+        found = sum(1 for t in token_ids if t == self.image_token_id)
+        if found:
+            raise ValueError(f"the prompt holds {found} image placeholder token(s) "
+                             f"({self.placeholder_str['image']!r}, id {self.image_token_id}) but no multi_modal_data; "
+                             "pass the images as {'prompt': ..., 'multi_modal_data': {'image': [...]}}")
+
+    def _mismatch(self, found: int, num_images: int) -> str:
+        return (f"the prompt has {found} image placeholder(s) ({self.placeholder_str['image']!r}) but "
+                f"multi_modal_data has {num_images} image(s); they must match, one placeholder per image")
+
+    def _features(self, token_ids: list[int], images: list[Any], pixel_values: Any) -> list[MultiModalFeature]:
+        """Item ``i`` takes the next ``num_image_tokens()`` placeholder positions, which must be
+        contiguous (HF's expansion writes them so)."""
+        n = self.num_image_tokens()
+        positions = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        if len(positions) != n * len(images):
+            raise ValueError(f"the processed prompt has {len(positions)} image placeholder tokens, expected "
+                             f"{n} per image x {len(images)} image(s)")
+        features = []
+        for k, image in enumerate(images):
+            run = positions[k * n:(k + 1) * n]
+            if run[-1] - run[0] != n - 1:
+                raise ValueError(f"image {k}'s {n} placeholder tokens are not contiguous in the prompt")
+            features.append(MultiModalFeature(
+                modality="image", identifier=hash_image(image), offset=run[0], length=n,
+                data={"pixel_values": pixel_values[k:k + 1].contiguous()}))
+        return features
