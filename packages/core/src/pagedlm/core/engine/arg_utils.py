@@ -18,6 +18,7 @@ from pagedlm.core.config import (
     ParallelConfig,
     ProfilerConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
     VllmConfig,
 )
 
@@ -65,6 +66,10 @@ _HELP = {
     "enable_prompt_embeds": "accept {'prompt_embeds': tensor} prompts (embeddings instead of token ids)",
     "profiler_config": 'JSON object of vLLM\'s ProfilerConfig, e.g. \'{"profiler": "torch", "torch_profiler_dir": '
     '"./traces"}\' (start_profile/stop_profile; default: from VLLM_TORCH_PROFILER_DIR when set)',
+    "structured_outputs_config": 'JSON object of vLLM\'s StructuredOutputsConfig, e.g. \'{"backend": "xgrammar"}\' '
+    "(backend: auto, xgrammar or a plugin's; disable_any_whitespace, disable_additional_properties)",
+    "reasoning_parser": "split a reasoning model's thinking from its answer (deepseek_r1, qwen3, or a plugin's); "
+    "structured outputs then apply after the thinking",
 }
 
 #: the values of vLLM's options that mean what pagedlm does anyway
@@ -109,6 +114,8 @@ class EngineArgs:
     logits_processors: list[Any] | None = None
     enable_prompt_embeds: bool = False
     profiler_config: dict[str, Any] | ProfilerConfig | None = None
+    structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None
+    reasoning_parser: str = ""
     additional_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -123,6 +130,7 @@ class EngineArgs:
         profiler = self.profiler_config if self.profiler_config is not None else envs.vllm_profiler_config()
         return VllmConfig(
             profiler_config=ProfilerConfig.from_any(profiler),
+            structured_outputs_config=self._structured_outputs_config(),
             model_config=ModelConfig(
                 model=self.model,
                 tokenizer=self.tokenizer,
@@ -165,6 +173,15 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             additional_config=dict(self.additional_config),
         )
+
+    def _structured_outputs_config(self) -> StructuredOutputsConfig:
+        config = StructuredOutputsConfig.from_any(self.structured_outputs_config)
+        if self.reasoning_parser:
+            if config.reasoning_parser and config.reasoning_parser != self.reasoning_parser:
+                raise ValueError(f"reasoning_parser={self.reasoning_parser!r} and structured_outputs_config's "
+                                 f"reasoning_parser={config.reasoning_parser!r} disagree; give one")
+            config = dataclasses.replace(config, reasoning_parser=self.reasoning_parser)
+        return config
 
     # -- command line -------------------------------------------------------------------------
     @classmethod

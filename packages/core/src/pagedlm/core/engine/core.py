@@ -16,6 +16,7 @@ from pagedlm.core.logger import init_logger
 from pagedlm.core.request import EngineCoreRequest, Request, RequestStatus
 from pagedlm.core.sched import EngineCoreOutput, Scheduler, SchedulerStats
 from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
 
@@ -65,6 +66,7 @@ class EngineCore:
             enable_chunked_prefill=sc.enable_chunked_prefill,
             async_scheduling=bool(sc.async_scheduling),
             pipeline_depth=pipeline_depth,
+            structured_output_manager=StructuredOutputManager(vllm_config),
         )
         self._stats_listeners: list[StatsListener] = []
         #: ``pause_scheduler``: nothing new is scheduled (batches in flight still finish)
@@ -142,6 +144,13 @@ class EngineCore:
         self._stats_listeners.append(listener)
 
     def step(self) -> list[EngineCoreOutput]:
+        outputs = self._step()
+        if self.scheduler.failed_outputs:  # requests failed outside the step (their grammar)
+            outputs = self.scheduler.failed_outputs + outputs
+            self.scheduler.failed_outputs = []
+        return outputs
+
+    def _step(self) -> list[EngineCoreOutput]:
         if self.paused:
             # Only the batches already on the device finish.
             outputs: list[EngineCoreOutput] = []
@@ -217,4 +226,7 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        som = self.scheduler.structured_output_manager
+        if som is not None:
+            som.shutdown()
         self.executor.shutdown()

@@ -44,7 +44,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 #: break an existing plugin (a hook or a ``register`` argument removed or changed, an op
 #: contract changed); the minor number when something is only added (a hook, an optional
 #: ``register`` keyword, an op contract). A plugin checks the major number it was written for.
-API_VERSION = "1.1"
+API_VERSION = "1.2"
 
 __all__ = [
     "API_VERSION",
@@ -201,6 +201,21 @@ class Plugins:
         regs = self.collect("pagedlm_register_quantization_methods", _quantization_method, "quantization method")
         return {str(key): reg.value for key, reg in regs.items()}
 
+    def structured_output_backends(self) -> dict[str, str]:
+        """Structured-output backend name -> ``"module:Class"``."""
+        regs = self.collect("pagedlm_register_structured_output_backends", _named_class, "structured-output backend")
+        return {str(key): reg.value for key, reg in regs.items()}
+
+    def reasoning_parsers(self) -> dict[str, str]:
+        """Reasoning parser name -> ``"module:Class"``."""
+        regs = self.collect("pagedlm_register_reasoning_parsers", _named_class, "reasoning parser")
+        return {str(key): reg.value for key, reg in regs.items()}
+
+    def tool_parsers(self) -> dict[str, str]:
+        """Tool-call parser name -> ``"module:Class"``."""
+        regs = self.collect("pagedlm_register_tool_parsers", _named_class, "tool parser")
+        return {str(key): reg.value for key, reg in regs.items()}
+
     def add_cli_commands(self, subparsers: argparse._SubParsersAction) -> None:
         self.hook.pagedlm_add_cli_commands(subparsers=subparsers)
 
@@ -226,6 +241,10 @@ def _platform(name: str, class_path: str, is_available: Callable[[], bool],
 
 
 def _quantization_method(name: str, class_path: str) -> tuple[str, str]:
+    return str(name), str(class_path)
+
+
+def _named_class(name: str, class_path: str) -> tuple[str, str]:
     return str(name), str(class_path)
 
 

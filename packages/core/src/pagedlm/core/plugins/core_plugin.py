@@ -1,4 +1,5 @@
-"""pagedlm-core's own hook implementations: the built-in quantization methods.
+"""pagedlm-core's own hook implementations: the built-in quantization methods, the xgrammar
+structured-output backend and the ``<think>`` reasoning parsers.
 
 Registered by :class:`pagedlm.core.plugins.Plugins` under the name ``"core"`` whatever the
 autoload settings, through the same hooks as any plugin (so a plugin can replace a built-in
@@ -20,3 +21,14 @@ def pagedlm_register_quantization_methods(register: Callable[..., None]) -> None
     register("compressed-tensors", f"{_QUANT}.compressed_tensors:CompressedTensorsConfig")
     register("gptq", f"{_QUANT}.gptq:GPTQConfig")
     register("awq", f"{_QUANT}.awq:AWQConfig")
+
+
+@hookimpl
+def pagedlm_register_structured_output_backends(register: Callable[..., None]) -> None:
+    register("xgrammar", "pagedlm.core.structured_output.xgrammar_backend:XgrammarBackend")
+
+
+@hookimpl
+def pagedlm_register_reasoning_parsers(register: Callable[..., None]) -> None:
+    register("deepseek_r1", "pagedlm.core.reasoning.think:DeepSeekR1ReasoningParser")
+    register("qwen3", "pagedlm.core.reasoning.think:Qwen3ReasoningParser")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from pagedlm.core.sampling_params import SamplingParams
 
 
@@ -60,6 +62,10 @@ class SchedulerOutput:
     #: requests preempted this step: workers drop them from the batch (their KV blocks are freed)
     #: but keep their per-request state until they resume (resumed_from_preemption) or finish
     preempted_req_ids: set[str] = field(default_factory=set)
+    #: structured outputs: req_id -> row of ``grammar_bitmask`` (``int32 [rows, ceil(V/32)]``) for
+    #: the requests that sample in this step under a grammar (structured_output/bitmask.py)
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from pagedlm.core.kv_cache import KVCacheManager
 from pagedlm.core.logger import init_logger
@@ -40,6 +41,9 @@ from pagedlm.core.sched.output import (
     SchedulerOutput,
     SchedulerStats,
 )
+
+if TYPE_CHECKING:
+    from pagedlm.core.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
 
@@ -85,8 +89,15 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         async_scheduling: bool = False,
         pipeline_depth: int = 1,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        #: holds requests with ``structured_outputs`` until their grammar is ready, fills each
+        #: step's bitmask rows and advances their matchers (structured_output/manager.py)
+        self.structured_output_manager = structured_output_manager
+        #: outputs of requests finished outside a step (a grammar that failed to compile); the
+        #: engine core sends them with the next step's outputs
+        self.failed_outputs: list[EngineCoreOutput] = []
         self._no_block_ids: tuple[list[int], ...] = tuple([] for _ in kv_cache_manager.managers)
         self.async_scheduling = async_scheduling
         self.max_num_seqs = max_num_seqs
@@ -113,6 +124,8 @@ class Scheduler:
         # NOTE: the length limit in one number (max_tokens and max_model_len), read every step
         request.max_num_tokens = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
         self.requests[request.request_id] = request
+        if self.structured_output_manager is not None and self.structured_output_manager.hold(request):
+            return  # joins the waiting queue once its grammar is compiled
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -125,7 +138,7 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
-            else:
+            elif self.structured_output_manager is None or not self.structured_output_manager.is_held(req):
                 self.waiting.remove(req)
             req.status = status
             self._free(req)
@@ -136,12 +149,28 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.remove(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._num_held())
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + self._num_held()
+
+    def _num_held(self) -> int:
+        som = self.structured_output_manager
+        return som.num_held if som is not None else 0
+
+    def _admit_structured_output_requests(self, som: StructuredOutputManager) -> None:
+        """Move requests whose grammar is ready to the waiting queue; finish those whose grammar
+        failed (with their error, sent by the engine core with the next outputs)."""
+        ready, failed = som.take_ready(block=not self.waiting and not self.running)
+        self.waiting.extend(ready)
+        for request, error in failed:
+            request.status = RequestStatus.FINISHED_ERROR
+            self._free(request)
+            self.failed_outputs.append(EngineCoreOutput(request.request_id, [], "error", error=error))
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -149,6 +178,9 @@ class Scheduler:
         # changed for it (its new token, rarely a block) and nothing else: the per-request numbers
         # are read once into locals, the workers' columns are appended to in one pass, and the
         # request's bookkeeping (tokens computed, placeholder) is updated in that same pass.
+        som = self.structured_output_manager
+        if som is not None and som.num_held:
+            self._admit_structured_output_requests(som)
         token_budget = self.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -272,6 +304,8 @@ class Scheduler:
 
         total = self.max_num_batched_tokens - token_budget
         assert len(running) <= self.max_num_seqs
+        grammar_rows, grammar_bitmask = som.grammar_bitmask(self.requests, num_scheduled_tokens) \
+            if som is not None else ({}, None)
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -279,6 +313,8 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
+            structured_output_request_ids=grammar_rows,
+            grammar_bitmask=grammar_bitmask,
         )
         self.finished_req_ids = set()
         self._update_stats(output, len(preempted), num_decode_tokens)
@@ -303,6 +339,8 @@ class Scheduler:
         all_logprobs, all_prompt_logprobs = runner_output.logprobs, runner_output.prompt_logprobs
         get_request = self.requests.get
         running_status = RequestStatus.RUNNING
+        som = self.structured_output_manager
+        grammar_active = som is not None and som.has_requests
         for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = get_request(req_id)
             if request is None:
@@ -336,6 +374,9 @@ class Scheduler:
                     new_token_ids.append(token_id)
                     if self._check_stop(request, token_id):
                         break
+            error = None
+            if grammar_active and new_token_ids and request.needs_output_history and not request.is_finished:
+                error = self._advance_grammar(request, new_token_ids)
             logprobs = all_logprobs.get(req_id) if all_logprobs else None
             if logprobs is not None and len(new_token_ids) < len(token_ids):
                 logprobs = tuple(x[: len(new_token_ids)] for x in logprobs)
@@ -348,7 +389,7 @@ class Scheduler:
                     # the metrics' queue and prefill times, once per request
                     timing=((request.queued_time, request.scheduled_time or request.queued_time)
                             if request.num_output_tokens == len(new_token_ids) else None),
-                    num_preemptions=request.num_preemptions,
+                    num_preemptions=request.num_preemptions, error=error,
                 )
             )
             if finished:
@@ -358,6 +399,18 @@ class Scheduler:
                     self.running.remove(request)
                 self._free(request)
         return outputs
+
+    def _advance_grammar(self, request: Request, token_ids: list[int]) -> str | None:
+        """Advance the request's grammar over its new tokens: a grammar that has ended stops the
+        request; a token it refuses fails the request (returns the error)."""
+        verdict = self.structured_output_manager.accept_tokens(request, token_ids)  # type: ignore[union-attr]
+        if verdict is None:
+            return None
+        if verdict == "stop":
+            request.status = RequestStatus.FINISHED_STOPPED
+            return None
+        request.status = RequestStatus.FINISHED_ERROR
+        return verdict
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """Finish the request if ``token_id`` (its newest token) stops it; returns whether it did."""
