@@ -49,6 +49,11 @@ class ServerState:
     enable_force_include_usage: bool = False
     #: most logprobs per position a request may ask for; -1: the vocabulary size (--max-logprobs)
     max_logprobs: int = MAX_LOGPROBS
+    #: --tool-call-parser's name when --enable-auto-tool-choice is on (tool_choice="auto"), and its class
+    tool_call_parser: str | None = None
+    tool_parser_class: Any = None
+    #: the --reasoning-parser (a ReasoningParser, shared: it keeps no per-request state), or None
+    reasoning_parser: Any = None
 
     def resolve_logprobs(self, value: int | None, param: str) -> int | None:
         """A logprobs count of a request: -1 means the whole vocabulary, as in vLLM; more than
@@ -217,6 +222,7 @@ def make_sampling_params(req: SamplingFields, *, max_tokens: int | None, logprob
         logit_bias=parse_logit_bias(req.logit_bias),
         skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        extra_args=req.vllm_xargs,
     )
     if isinstance(req.stop, list) and len(req.stop) > 64:
         raise APIError(f"stop has {len(req.stop)} strings; at most 64 are allowed", param="stop")

@@ -43,6 +43,7 @@ from pagedlm.server.serving_common import (
     until_disconnect,
     usage,
 )
+from pagedlm.server.structured import check_compiles, request_params
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 
@@ -126,6 +127,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         num_prompt_logprobs = num_logprobs
     params = make_sampling_params(req, max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, logprobs=num_logprobs,
                                   prompt_logprobs=num_prompt_logprobs, stream=stream)
+    params.structured_outputs, structured_param = request_params(req)
+    if params.structured_outputs is not None:
+        await check_compiles(state, params.structured_outputs, structured_param or "structured_outputs")
     raw_prompts = _prompts(req)
     check_sequences(state, len(raw_prompts), n)
     for i, text in enumerate(raw_prompts):

@@ -57,14 +57,20 @@ def _unenforced(schema: Any, path: str = "#") -> str | None:
     return None
 
 
+#: one character of a JSON string written without escapes: no quote, backslash, control character
+#: or UTF-16 surrogate (which xgrammar's own string rules let through as three bytes that no
+#: UTF-8 decoder accepts); written with the characters themselves, which xgrammar's regexes read
+_PLAIN_CHARACTER = "[ !#-\\[\\]-\x7f\x80-\ud7ff\ue000-\U0010ffff]"
+
+
 def _bounded_strings_as_patterns(schema: Any) -> Any:
     """``schema`` with every ``minLength``/``maxLength`` string turned into the same bound on a
-    ``pattern`` of plain characters.
+    ``pattern`` of plain characters (:data:`_PLAIN_CHARACTER`).
 
     NOTE: xgrammar 0.2 compiles a length-bounded string to characters that exclude only ``"``,
-    ``\\``, CR and LF: raw control characters (invalid in JSON) slip through and escapes are lost.
-    A pattern without quotes, backslashes and control characters means the same text raw or
-    decoded, so its character count is the string's length.
+    ``\\``, CR and LF: raw control characters (invalid in JSON) slip through. A pattern of plain
+    characters means the same text raw or decoded, so its character count is the string's length;
+    such a string cannot hold a quote, a backslash or a control character.
     """
     if isinstance(schema, list):
         return [_bounded_strings_as_patterns(item) for item in schema]
@@ -75,7 +81,7 @@ def _bounded_strings_as_patterns(schema: Any) -> Any:
     if ("minLength" in out or "maxLength" in out) and "pattern" not in out and "format" not in out \
             and out.get("type", "string") == "string":
         low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
-        out["pattern"] = "^[^\"\\\\\\x00-\\x1f]{%d,%s}$" % (low, "" if high is None else int(high))
+        out["pattern"] = f"^{_PLAIN_CHARACTER}{{{low},{'' if high is None else int(high)}}}$"
     return out
 
 
@@ -111,10 +117,7 @@ class XgrammarGrammar(StructuredOutputGrammar):
         self.matcher = matcher
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
-        for token_id in token_ids:
-            if not self.matcher.accept_token(token_id):
-                return False
-        return True
+        return all(self.matcher.accept_token(token_id) for token_id in token_ids)
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
