@@ -7,12 +7,14 @@ and the clock runs from the ``generate`` call to its return, after an untimed wa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import time
 from typing import Any
 
 from pagedlm.core.bench import common
 from pagedlm.core.bench.profile import profiled
+from pagedlm.core.bench import structured
 from pagedlm.core.bench.timeline import StepRecorder, write_timelines
 from pagedlm.core.bench.workloads import add_workload_options, workload_from_args
 from pagedlm.core.platforms import resolve_platform
@@ -31,6 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="run the timed batch under torch.profiler; DIR gets the top ops and device time "
                         "(profiling slows the host: compare device times, not throughput)")
+    structured.add_structured_output_options(p)
     common.add_engine_options(p)
     p.set_defaults(func=run)
 
@@ -63,6 +66,10 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
         # The workload's clip range fits 2 x 1024 tokens; its lengths adapt to a shorter context.
         setup.kwargs["max_model_len"] = min(2048, setup.model_max_len())
     workload = workload_from_args(args, vocab_size=vocab, max_model_len=setup.kwargs.get("max_model_len"))
+    if args.structured_output_schema:
+        if data_parallel:
+            raise ValueError("--structured-output-schema measures the bitmasks of one engine core in this process")
+        structured.prepare_engine(setup.kwargs, vocab)
     t_init = time.perf_counter()
     llm = setup.build()
     init_s = time.perf_counter() - t_init
@@ -72,9 +79,15 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
     recorder = None if data_parallel else StepRecorder(llm)
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     params = workload.sampling_params()
+    bitmask_cost = None
+    if args.structured_output_schema:
+        structured.apply_schema(args.structured_output_schema, params)
+        structured.warm_up(llm, params, workload.prompts[0])
+        bitmask_cost = structured.BitmaskCost()
     if recorder is not None:
         recorder.restart_clock()
-    with profiled(args.profile, engine["device"]) as profile_summary:
+    with profiled(args.profile, engine["device"]) as profile_summary, \
+            (bitmask_cost.measuring() if bitmask_cost is not None else contextlib.nullcontext()):
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
@@ -111,6 +124,8 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
     }
     if profile_summary:
         result["profile"] = profile_summary
+    if bitmask_cost is not None:
+        result["structured_outputs"] = {"schema": args.structured_output_schema, **bitmask_cost.summary(llm)}
     if args.kv_timeline:
         title = (f"pagedlm bench throughput: {engine['model']} ({engine['device']}, {engine['dtype']}), "
                  f"workload {workload.name} x{workload.num_requests}\n{engine['num_blocks']:,} blocks x "
@@ -192,6 +207,9 @@ def _print(r: dict[str, Any]) -> None:
             rows += [("HF elapsed (s)", hf["elapsed_s"]), ("HF output tokens/s", hf["output_tokens_per_s"]),
                      ("pagedlm / HF", f"{r['speedup_vs_hf']:.2f}x output tokens/s ({hf['api']}, "
                                       f"{hf['attn_implementation']})")]
+    if "structured_outputs" in r:
+        so = r["structured_outputs"]
+        rows += structured.describe(so["schema"], so)
     if "kv_timeline" in r:
         rows.append(("KV timeline", f"{r['kv_timeline']['png']} (+ {r['kv_timeline']['json']})"))
     if "profile" in r:

@@ -109,8 +109,12 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of conversations (OpenAI-style messages)."""
+        """Generate replies to one conversation or a list of conversations (OpenAI-style messages).
+
+        ``tools`` (OpenAI-style function tools) and ``chat_template_kwargs`` go to the chat template."""
         from jinja2 import TemplateError
 
         tokenizer = self.get_tokenizer()
@@ -120,7 +124,7 @@ class LLM:
             try:
                 token_ids = tokenizer.apply_chat_template(
                     conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                    tokenize=True, return_dict=False,
+                    tokenize=True, return_dict=False, tools=tools, **(chat_template_kwargs or {}),
                 )
             except (ValueError, TemplateError) as e:  # a template's raise_exception is a TemplateError
                 hint = ""
