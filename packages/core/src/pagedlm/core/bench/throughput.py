@@ -76,7 +76,6 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
     rss_mb = common.resident_memory_mb()
     engine = common.engine_summary(llm, setup)
     common.warm_up(llm, vocab)
-    recorder = None if data_parallel else StepRecorder(llm)
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     params = workload.sampling_params()
     bitmask_cost = None
@@ -84,6 +83,7 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
         structured.apply_schema(args.structured_output_schema, params)
         structured.warm_up(llm, params, workload.prompts[0])
         bitmask_cost = structured.BitmaskCost()
+    recorder = None if data_parallel else StepRecorder(llm)
     if recorder is not None:
         recorder.restart_clock()
     with profiled(args.profile, engine["device"]) as profile_summary, \
