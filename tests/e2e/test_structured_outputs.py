@@ -113,6 +113,18 @@ def test_json_object_regex_choice_and_grammar(llm):
         assert re.fullmatch(r"\(\d(\+\d)*\)", text), text
 
 
+def test_structural_tag(llm):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    tag = json.dumps({"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<out>", "content": {"type": "json_schema", "json_schema": schema}, "end": "</out>"}})
+    for text in _finished(llm.generate(PROMPTS[:2], [_params(seed=i, structural_tag=tag) for i in range(2)],
+                                       use_tqdm=False)):
+        m = re.fullmatch(r"<out>(.*)</out>", text, re.S)
+        assert m, text
+        jsonschema.validate(json.loads(m.group(1)), schema)
+
+
 def test_unconstrained_rows_are_untouched(llm):
     plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     alone = llm.generate(PROMPTS[:2], plain, use_tqdm=False)

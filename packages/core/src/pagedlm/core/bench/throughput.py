@@ -12,9 +12,8 @@ import gc
 import time
 from typing import Any
 
-from pagedlm.core.bench import common
+from pagedlm.core.bench import common, structured
 from pagedlm.core.bench.profile import profiled
-from pagedlm.core.bench import structured
 from pagedlm.core.bench.timeline import StepRecorder, write_timelines
 from pagedlm.core.bench.workloads import add_workload_options, workload_from_args
 from pagedlm.core.platforms import resolve_platform

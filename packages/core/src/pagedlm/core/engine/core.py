@@ -169,20 +169,28 @@ class EngineCore:
     def _step_with_batch_queue(self, queue: deque[tuple[Future, SchedulerOutput]]) -> list[EngineCoreOutput]:
         """Submit a new batch while the queue has room; otherwise (or when nothing new can be
         scheduled) wait for the oldest batch and return its outputs."""
+        outputs: list[EngineCoreOutput] = []
         if len(queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
             # NOTE: an empty batch still goes out when it carries finished or preempted ids: the
             # workers must drop those requests (a preempted one resumes from its saved state).
             if not scheduler_output.is_empty or scheduler_output.finished_req_ids \
                     or scheduler_output.preempted_req_ids:
+                if self.scheduler.needs_grammar_bitmask(scheduler_output):
+                    # Structured outputs: the rows need the matchers advanced over the tokens of
+                    # the batch in flight; take it back first (the step was scheduled meanwhile).
+                    while queue:
+                        future, in_flight = queue.popleft()
+                        outputs.extend(self._update(in_flight, future.result()))
+                    self.scheduler.fill_grammar_bitmask(scheduler_output)
                 future = self.executor.execute_model(scheduler_output, non_block=True)
                 queue.append((future, scheduler_output))  # type: ignore[arg-type]
                 if len(queue) < self.batch_queue_size and scheduler_output.total_num_scheduled_tokens > 0:
-                    return []
+                    return outputs
         if not queue:
-            return []
+            return outputs
         future, scheduler_output = queue.popleft()
-        outputs = self._update(scheduler_output, future.result())
+        outputs.extend(self._update(scheduler_output, future.result()))
         # NOTE: once nothing is left to run, batches still in flight only carry tokens of finished
         # requests; drain them now so that no stale batch is waiting when new requests arrive.
         while queue and not self.scheduler.has_unfinished_requests():

@@ -18,6 +18,10 @@ computes like a known token (the model runner feeds the sampled id on the device
 token would end it by length, or whose sampling reads its output history on the host
 (penalties, ``min_tokens``), is not scheduled ahead of its placeholder.
 
+Structured outputs (``structured_output/manager.py``): a request with a grammar waits outside the
+waiting queue until its grammar has compiled; each schedule ends with the bitmask rows of the
+requests that sample under a grammar, and ``update_from_output`` advances their matchers.
+
 The ``SchedulerOutput`` is the workers' one source of request state: new requests in full, and
 for the others their new blocks and the tokens the scheduler received for them since it last
 scheduled them (``new_token_ids``). Every worker, of every pipeline stage, learns the sampled
@@ -304,8 +308,10 @@ class Scheduler:
 
         total = self.max_num_batched_tokens - token_budget
         assert len(running) <= self.max_num_seqs
+        # NOTE: with async scheduling the engine core fills them (fill_grammar_bitmask) once the
+        # batch in flight, whose tokens the grammars need first, is back
         grammar_rows, grammar_bitmask = som.grammar_bitmask(self.requests, num_scheduled_tokens) \
-            if som is not None else ({}, None)
+            if som is not None and not async_scheduling else ({}, None)
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -375,7 +381,7 @@ class Scheduler:
                     if self._check_stop(request, token_id):
                         break
             error = None
-            if grammar_active and new_token_ids and request.needs_output_history and not request.is_finished:
+            if grammar_active and new_token_ids and not request.is_finished:
                 error = self._advance_grammar(request, new_token_ids)
             logprobs = all_logprobs.get(req_id) if all_logprobs else None
             if logprobs is not None and len(new_token_ids) < len(token_ids):
@@ -399,6 +405,18 @@ class Scheduler:
                     self.running.remove(request)
                 self._free(request)
         return outputs
+
+    def needs_grammar_bitmask(self, output: SchedulerOutput) -> bool:
+        """Whether a step scheduled with async scheduling has rows for the engine core to fill."""
+        som = self.structured_output_manager
+        return self.async_scheduling and som is not None and som.any_in(output.num_scheduled_tokens)
+
+    def fill_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        """Fill a step's grammar bitmask rows (async scheduling: once the batch in flight is back)."""
+        som = self.structured_output_manager
+        assert som is not None
+        output.structured_output_request_ids, output.grammar_bitmask = som.grammar_bitmask(
+            self.requests, output.num_scheduled_tokens)
 
     def _advance_grammar(self, request: Request, token_ids: list[int]) -> str | None:
         """Advance the request's grammar over its new tokens: a grammar that has ended stops the

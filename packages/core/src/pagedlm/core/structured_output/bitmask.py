@@ -14,10 +14,10 @@ import torch
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
-def _shifts(device: torch.device) -> torch.Tensor:
+def _bit_shifts(device: torch.device) -> torch.Tensor:
     shifts = _SHIFTS.get(device)
     if shifts is None:
-        shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+        shifts = _SHIFTS[device] = torch.arange(8, dtype=torch.uint8, device=device)
     return shifts
 
 
@@ -40,10 +40,13 @@ def apply_grammar_bitmask(logits: torch.Tensor, sample_req_ids: list[str], row_o
     words = torch.from_numpy(np.ascontiguousarray(bitmask[mask_rows]))
     if device.type != "cpu":
         words = words.pin_memory().to(device, non_blocking=True)
-    # [R, W, 32] bits -> [R, 32 * W] allowed flags (bit t % 32 of word t // 32 is token t)
-    allowed = ((words.unsqueeze(-1) >> _shifts(device)) & 1).view(len(mask_rows), -1)[:, :vocab].bool()
+    # NOTE: little-endian words: byte k of word w holds tokens 32w + 8k .. 32w + 8k + 7, lowest bit
+    # first. Unpacking bytes, not words, keeps the temporary at one byte per token.
+    as_bytes = words.view(torch.uint8)  # [R, 4W]
+    allowed = (as_bytes.unsqueeze(-1) >> _bit_shifts(device)) & 1  # [R, 4W, 8]
+    blocked = allowed.view(len(mask_rows), -1)[:, :vocab] == 0  # [R, V]
     if len(logit_rows) == logits.shape[0]:  # every row has a grammar: no gather/scatter
-        logits.masked_fill_(~allowed, float("-inf"))
+        logits.masked_fill_(blocked, float("-inf"))
         return
     index = torch.tensor(logit_rows, device=device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    logits[index] = logits[index].masked_fill(blocked, float("-inf"))

@@ -8,15 +8,18 @@ Life of a request with ``structured_outputs``:
 2. ``take_ready``: at the start of every schedule, requests whose grammar is ready go to the
    waiting queue with a fresh matcher; those whose grammar failed are returned to be finished
    with an error (only they fail).
-3. ``grammar_bitmask``: after a schedule, one bitmask row per scheduled request that samples in
-   this step and has a live grammar (the others are left out: no row, no cost).
+3. ``grammar_bitmask``: one bitmask row per scheduled request that samples in the step and has a
+   live grammar (the others are left out: no row, no cost). Without async scheduling the
+   scheduler fills them at the end of ``schedule``; with it, the engine core fills them just
+   before it submits the step, once the batch still in flight has come back and its tokens have
+   advanced the matchers (``EngineCore._step_with_batch_queue``): a request with a grammar runs
+   a step ahead of its token like any other, and its row is still filled from its last token.
 4. ``accept_tokens``: the scheduler advances the matcher with each sampled token; a grammar that
    has terminated finishes its request (``stop``).
 
-NOTE: a request with a grammar never runs a step ahead of its sampled token (``Request.
-needs_output_history``), so its matcher always stands at its last output token when its row is
-filled. Preemption keeps the output tokens (recompute rebuilds the KV cache, not the output), so
-the matcher is kept as it is too.
+NOTE: so a matcher always stands at its request's last output token when its row is filled.
+Preemption keeps the output tokens (recompute rebuilds the KV cache, not the output), so the
+matcher is kept as it is too.
 
 With a reasoning parser (``structured_outputs_config.reasoning_parser``) the grammar starts once
 the thinking has ended: no row is filled and no token accepted until then.
@@ -131,9 +134,6 @@ class StructuredOutputManager:
         params = request.sampling_params.structured_outputs
         if params is None:
             return False
-        # NOTE: its next row needs the matcher advanced over its last token: never schedule it
-        # ahead of that token (async scheduling)
-        request.needs_output_history = True
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=max(1, min(4, (os.cpu_count() or 2) // 2)),
                                                 thread_name_prefix="pagedlm-grammar")
@@ -205,6 +205,11 @@ class StructuredOutputManager:
     def has_requests(self) -> bool:
         return bool(self._requests)
 
+    def any_in(self, request_ids: dict[str, int]) -> bool:
+        """Whether one of these (scheduled) requests has a grammar."""
+        requests = self._requests
+        return bool(requests) and any(r in requests for r in request_ids)
+
     # -- per step ----------------------------------------------------------------------------
     def grammar_bitmask(self, requests: dict[str, Request],
                         num_scheduled_tokens: dict[str, int]) -> tuple[dict[str, int], np.ndarray | None]:
@@ -219,9 +224,10 @@ class StructuredOutputManager:
             state = self._requests.get(req_id)
             if state is None or state.grammar is None or not state.reasoning_ended:
                 continue
-            request = requests[req_id]
+            request = requests.get(req_id)
             # NOTE: counted as computed when scheduled: it samples iff all its tokens are computed
-            if request.num_computed_tokens < request.num_tokens or state.grammar.is_terminated():
+            # (with async scheduling too, once the batch in flight is back)
+            if request is None or request.num_computed_tokens < request.num_tokens or state.grammar.is_terminated():
                 continue
             rows[req_id] = len(grammars)
             grammars.append(state.grammar)

@@ -112,6 +112,20 @@ def _tokenizer_info(xgr: Any, tokenizer: Any, vocab_size: int, stop_token_ids: l
                              stop_token_ids=list(detected.stop_token_ids), add_prefix_space=detected.add_prefix_space)
 
 
+def _structural_tag_args(xgr: Any, spec: str) -> tuple[Any, ...]:
+    """xgrammar's arguments for a structural tag: the tag itself (its ``format`` form), or vLLM's
+    older ``{"structures": [{"begin", "schema", "end"}], "triggers"}`` form as tags and triggers."""
+    try:
+        tag = json.loads(spec)
+    except ValueError as e:
+        raise ValueError(f"not valid JSON: {e}") from None
+    if isinstance(tag, dict) and "structures" in tag:
+        items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                 for s in tag["structures"]]
+        return items, list(tag.get("triggers", []))
+    return (spec,)
+
+
 class XgrammarGrammar(StructuredOutputGrammar):
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
@@ -159,7 +173,7 @@ class XgrammarBackend(StructuredOutputBackend):
             elif kind == "grammar":
                 xgr.Grammar.from_ebnf(params.grammar)
             elif kind == "structural_tag":
-                xgr.Grammar.from_structural_tag(params.structural_tag)
+                xgr.Grammar.from_structural_tag(*_structural_tag_args(xgr, params.structural_tag))
         except Exception as e:  # noqa: BLE001 - xgrammar reports bad input as RuntimeError/ValueError
             raise ValueError(f"structured_outputs.{kind} is invalid: {_reason(e)}") from None
 
@@ -177,7 +191,7 @@ class XgrammarBackend(StructuredOutputBackend):
             return c.compile_grammar(_choice_ebnf(params.choice))  # type: ignore[arg-type]
         if kind == "grammar":
             return c.compile_grammar(params.grammar)
-        return c.compile_structural_tag(params.structural_tag)
+        return c.compile_structural_tag(*_structural_tag_args(self._xgr, params.structural_tag))
 
     def new_grammar(self, compiled: Any, stop_token_ids: list[int]) -> StructuredOutputGrammar:
         xgr = self._xgr
