@@ -92,7 +92,7 @@ def test_json_schema_outputs_validate(llm, name):
 
 def test_json_with_any_whitespace_validates_when_it_finishes(llm):
     schema = SCHEMAS["enums_and_bounds"]
-    params = [_params(seed=i, max_tokens=200, json=schema, disable_any_whitespace=False) for i in range(2)]
+    params = [_params(seed=i, max_tokens=120, json=schema, disable_any_whitespace=False) for i in range(2)]
     for text in _finished(llm.generate(PROMPTS[:2], params, use_tqdm=False)):
         jsonschema.validate(json.loads(text), schema)
 
