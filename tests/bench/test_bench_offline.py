@@ -78,6 +78,16 @@ def test_throughput_reports_preemptions(tiny_llama, tmp_path):
     assert r["total_output_tokens"] == 240
 
 
+def test_throughput_with_a_json_schema_on_every_request(tiny_llama, tmp_path, capsys):
+    r = _run(["bench", "throughput", "--model", tiny_llama, *CPU, "--num-prompts", "4", "--input-len", "8",
+              "--output-len", "12", "--structured-output-schema", "int-array"], tmp_path / "s.json")
+    so = r["structured_outputs"]
+    assert so["schema"] == "int-array" and r["total_output_tokens"] == 48  # the schema never ends early
+    assert so["bitmask_steps"] == 12 and _positive(so["fill_ms_per_step"], so["apply_host_ms_per_step"])
+    assert so["apply_device_ms_per_step"] is None  # no device on the CPU
+    assert "bitmask fill / step" in capsys.readouterr().out
+
+
 def test_throughput_profile_writes_the_top_ops(tiny_llama, tmp_path, capsys):
     r = _run(["bench", "throughput", "--model", tiny_llama, *CPU, "--num-prompts", "4", "--input-len", "8",
               "--output-len", "8", "--profile", str(tmp_path / "prof")], tmp_path / "p.json")

@@ -36,6 +36,9 @@ _SAME_NAME = {
     "attention_backends": ("pagedlm_register_attention_backends", ("toy_attn", "{p}.m:Backend")),
     "ops": ("pagedlm_register_ops", ("rms_norm", "cpu", "{p}.m:rms_norm")),
     "multimodal_processors": ("pagedlm_register_multimodal_processors", ("ToyForConditionalGeneration", "{p}.m:P")),
+    "structured_output_backends": ("pagedlm_register_structured_output_backends", ("toy_grammar", "{p}.m:Backend")),
+    "reasoning_parsers": ("pagedlm_register_reasoning_parsers", ("toy_think", "{p}.m:Parser")),
+    "tool_parsers": ("pagedlm_register_tool_parsers", ("toy_tools", "{p}.m:Parser")),
 }
 
 
@@ -79,6 +82,7 @@ def test_override_replaces_whatever_the_order(registry, overrider_first, caplog)
     with caplog.at_level(logging.INFO, logger="pagedlm"):
         result = getattr(plugins, registry)()
     values = list(result.values()) if isinstance(result, dict) else result
+    values = [v for v in values if ".m:" in str(v)]  # core's own registrations aside
     assert "site.m:" in str(values) and "vendor.m:" not in str(values) and len(values) == 1
     assert ("plugin 'site' replaces plugin 'vendor'" in caplog.text
             or "plugin 'site' keeps it over plugin 'vendor'" in caplog.text)

@@ -334,3 +334,19 @@ def test_async_llm_pause_resume_script(tiny_llama):
     proc = run_script(script, tiny_llama)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-2:] == ["abort True", "length False"], proc.stdout
+
+
+def test_structured_outputs_and_chat_tools_script(tiny_llama):
+    from pagedlm.core import LLM, SamplingParams
+    from pagedlm.core.sampling_params import StructuredOutputsParams
+
+    llm = LLM(model=tiny_llama, dtype="float32", device="cpu", max_model_len=256,
+              structured_outputs_config={"backend": "xgrammar"})
+    choice = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["Positive", "Negative"]), max_tokens=8)
+    assert llm.generate("Classify: great!", choice, use_tqdm=False)[0].outputs[0].text in ("Positive", "Negative")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    template = ("{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2), chat_template=template,
+                   tools=tools, use_tqdm=False)[0]
+    assert out.prompt.startswith("[tool get_weather]hi")

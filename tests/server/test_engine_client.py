@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pagedlm.core import AsyncLLM, EngineClient, EngineDeadError, SamplingParams
-from pagedlm.core.config import ModelConfig
+from pagedlm.core.config import VllmConfig
 from pagedlm.core.outputs import CompletionOutput, RequestOutput
 
 SERVER_SRC = Path(__file__).parents[2] / "packages" / "server" / "src" / "pagedlm" / "server"
@@ -67,7 +67,8 @@ class FakeEngine:
     """An EngineClient with exactly the protocol's members: echoes the prompt's first token."""
 
     def __init__(self) -> None:
-        self.model_config = ModelConfig()
+        self.vllm_config = VllmConfig()
+        self.model_config = self.vllm_config.model_config
         self.max_model_len = 64
         self.vocab_size = 1000
         self.tokenizer = None

@@ -500,6 +500,37 @@ class LoRAConfig(_Freezable):
         return model_dtype if self.lora_dtype == "auto" else _STR_TO_DTYPE[self.lora_dtype]
 
 
+class StructuredOutputsConfig(_Freezable):
+    """Grammar-constrained decoding (vLLM's ``structured_outputs_config``).
+
+    ``backend``: ``"auto"`` (xgrammar) or a name registered through
+    ``pagedlm_register_structured_output_backends``. ``reasoning_parser`` (``--reasoning-parser``):
+    with a reasoning model, the grammar applies only once its thinking has ended, unless
+    ``enable_in_reasoning``. The ``disable_*`` knobs set the JSON grammar's defaults.
+    """
+
+    backend: str = "auto"
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    reasoning_parser: str = ""
+    enable_in_reasoning: bool = False
+
+    @classmethod
+    def from_any(cls, value: StructuredOutputsConfig | dict[str, Any] | None) -> StructuredOutputsConfig:
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs_config={value!r} must be a dict of StructuredOutputsConfig fields")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"structured_outputs_config has unknown fields {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+
 @dataclass
 class DeviceConfig(_Freezable):
     """``device="auto"`` picks the available platform with the highest priority."""
@@ -518,6 +549,7 @@ class VllmConfig(_Freezable):
     load_config: LoadConfig = field(default_factory=LoadConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     attention_backend: str | None = None
     enforce_eager: bool = False
     #: the model's quantization method (``pagedlm.core.layers.quantization.QuantizationConfig``),

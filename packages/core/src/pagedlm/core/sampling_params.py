@@ -7,7 +7,10 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+from pagedlm.core.structured_output.params import StructuredOutputsParams
 from pagedlm.core.text import utf8_problem
+
+__all__ = ["RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
 
 _SAMPLING_EPS = 1e-5
 
@@ -45,6 +48,11 @@ class SamplingParams:
     #: custom arguments for custom logits processors (vLLM's ``extra_args``; ``vllm_xargs`` on
     #: the server); pagedlm itself reads none of them
     extra_args: dict[str, Any] | None = None
+    #: grammar-constrained output (JSON Schema, regex, choice, EBNF grammar); see
+    #: ``pagedlm.core.structured_output``
+    structured_outputs: StructuredOutputsParams | None = None
+    #: vLLM's older name of ``structured_outputs`` (moved there by ``__post_init__``)
+    guided_decoding: StructuredOutputsParams | None = None
     # Filled by the engine: eos ids of the model, applied unless ignore_eos.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -56,6 +64,15 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("pass structured_outputs or its older name guided_decoding, not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         if 0 <= self.temperature < _SAMPLING_EPS:
             # Greedy: make the other knobs inert, as vLLM does.
             self.temperature = 0.0

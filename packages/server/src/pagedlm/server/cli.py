@@ -50,6 +50,12 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--metrics-prefix", choices=["pagedlm", "vllm"], default="pagedlm",
                         help="prefix of the /metrics series, vLLM's names after it: 'pagedlm' (pagedlm:...) or 'vllm' "
                              "(vllm:..., so that vLLM's Grafana dashboards and alerts work unchanged)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let requests use tool_choice="auto" (the default with tools): the model decides, and '
+                             "--tool-call-parser reads its calls (vLLM's option)")
+    server.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                        help="how the model writes tool calls: hermes, qwen3, llama3_json, mistral or a plugin's "
+                             "(pagedlm_register_tool_parsers)")
     server.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM, how long in-flight requests may run before they are aborted")
     server.add_argument("--log-stats-interval", type=float, default=5.0, metavar="SECONDS",
@@ -91,6 +97,13 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-request-sequences={args.max_request_sequences} is invalid: must be >= 1")
     if args.max_logprobs < -1:
         raise ValueError(f"--max-logprobs={args.max_logprobs} is invalid: must be >= 0, or -1 (the vocabulary size)")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (how the model writes tool calls: "
+                         "hermes, qwen3, llama3_json, mistral)")
+    if args.tool_call_parser:
+        from pagedlm.server.tool_parsers import get_tool_parser
+
+        get_tool_parser(args.tool_call_parser)  # a bad name fails here, not with the first request
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port={args.port} is invalid: must be in 0..65535 (0: any free port)")
     if (args.lora_modules or args.enable_dynamic_lora) and not args.enable_lora:

@@ -17,6 +17,7 @@ import signal
 import socket
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import uvicorn
 
@@ -89,6 +90,23 @@ def serve(args: argparse.Namespace, *, api_key: str | None) -> int:
         sock.close()
 
 
+def _tool_and_reasoning_parsers(args: argparse.Namespace, engine: AsyncLLM) -> dict[str, Any]:
+    """The ServerState fields of --enable-auto-tool-choice/--tool-call-parser and --reasoning-parser."""
+    fields: dict[str, Any] = {}
+    if args.tool_call_parser:
+        from pagedlm.server.tool_parsers import get_tool_parser
+
+        fields["tool_parser_class"] = get_tool_parser(args.tool_call_parser)
+        if args.enable_auto_tool_choice:
+            fields["tool_call_parser"] = args.tool_call_parser
+    reasoning = engine.vllm_config.structured_outputs_config.reasoning_parser
+    if reasoning:
+        from pagedlm.core.reasoning import get_reasoning_parser
+
+        fields["reasoning_parser"] = get_reasoning_parser(reasoning)(engine.tokenizer)
+    return fields
+
+
 async def _serve(args: argparse.Namespace, engine_args: EngineArgs, sock: socket.socket, api_key: str | None,
                  chat_template: str | None) -> int:
     vllm_config = engine_args.create_vllm_config()
@@ -107,7 +125,7 @@ async def _serve(args: argparse.Namespace, engine_args: EngineArgs, sock: socket
                             metrics=metrics, max_request_sequences=max_sequences,
                             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                             enable_force_include_usage=args.enable_force_include_usage,
-                            max_logprobs=args.max_logprobs)
+                            max_logprobs=args.max_logprobs, **_tool_and_reasoning_parsers(args, engine))
         if vllm_config.lora_config is not None:
             from pagedlm.core import envs
             from pagedlm.server.lora import LoRAModels

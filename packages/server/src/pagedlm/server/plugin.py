@@ -18,3 +18,13 @@ def pagedlm_add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
 
     add_serve_command(subparsers)
     add_disagg_proxy_command(subparsers)
+
+
+@hookimpl
+def pagedlm_register_tool_parsers(register) -> None:
+    parsers = "pagedlm.server.tool_parsers.parsers"
+    register("hermes", f"{parsers}:HermesToolParser")
+    # Qwen3 writes hermes' <tool_call>{"name", "arguments"}</tool_call> blocks
+    register("qwen3", f"{parsers}:HermesToolParser")
+    register("llama3_json", f"{parsers}:Llama3JsonToolParser")
+    register("mistral", f"{parsers}:MistralToolParser")

@@ -4,8 +4,8 @@ Validation is strict, as OpenAI's own API is: ``"0.5"`` is not a number, ``2.5``
 integer (``2.0`` is, as in JSON Schema), ``1`` is not a boolean, NaN and infinities are refused.
 Every field OpenAI marks nullable accepts ``null`` (= the default). Unknown fields are ignored,
 so clients that send newer OpenAI parameters keep working; parameters whose meaning we cannot
-honour (``suffix``, ``tools``, a JSON ``response_format``, ...) are refused with a 400 by the
-serving code instead.
+honour (``suffix``, ...) are refused with a 400 by the serving code instead. Structured outputs
+and tools are parsed further by ``structured.py`` and ``tools.py`` (400s naming the field).
 
 Range checks that need the model (context length, vocabulary) happen in the engine's Processor.
 Responses are built as plain dicts in ``serving_*`` modules, field by field as OpenAI sends them.
@@ -118,6 +118,17 @@ class SamplingFields(OpenAIModel):
     truncation_side: Literal["left", "right"] | None = Field(
         None, description="with truncate_prompt_tokens: 'right' keeps the first tokens, 'left' the last (default: "
                           "the tokenizer's side, else 'right')")
+    vllm_xargs: dict[Text, Any] | None = Field(
+        None, description="vLLM's extra arguments for custom logits processors (SamplingParams.extra_args)")
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's structured outputs: one of json (a JSON Schema), regex, choice, grammar (EBNF), "
+                          "json_object, structural_tag; plus disable_any_whitespace, disable_additional_properties")
+    # vLLM's older names of structured_outputs' fields
+    guided_json: Text | dict[str, Any] | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    guided_whitespace_pattern: Text | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -153,6 +164,12 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ChatContentPart] | None = None
     name: Text | None = None
+    #: an assistant message's tool calls ({"id", "type": "function", "function": {"name", "arguments"}})
+    tool_calls: list[dict[str, Any]] | None = None
+    #: a tool message: the id of the call it answers
+    tool_call_id: Text | None = None
+    #: an assistant message's thinking (reasoning models); templates that show it read it
+    reasoning_content: Text | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -168,9 +185,17 @@ class ChatCompletionRequest(SamplingFields):
                           "add_generation_prompt")
     echo: bool | None = Field(None, description="start each choice's content with the last message's content when "
                                                 "that message is the assistant's")
-    # Accepted so that they can be refused with a clear message (see serving_chat).
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    # Parsed by tools.py and structured.py, which name the bad field in their 400s.
+    tools: list[Any] | None = Field(None, description="function tools ({\"type\": \"function\", \"function\": "
+                                                      "{\"name\", \"description\", \"parameters\"}})")
+    tool_choice: Any = Field(None, description="\"none\", \"auto\" (default with tools), \"required\" or "
+                                              "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = Field(
+        None, description="{\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
+                          "\"json_schema\": {\"name\", \"schema\", \"strict\"}}")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="extra variables for the chat template (e.g. enable_thinking)")
 
 
 class BatchChatCompletionRequest(ChatCompletionRequest):

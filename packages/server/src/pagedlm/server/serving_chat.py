@@ -13,6 +13,7 @@ from pagedlm.core import EngineDeadError
 from pagedlm.core.outputs import RequestOutput, SampleLogprobs
 from pagedlm.core.sampling_params import SamplingParams
 from pagedlm.core.text import utf8_problem
+from pagedlm.server.chat_choice import ChoiceMessage
 from pagedlm.server.errors import APIError, error_response, logger
 from pagedlm.server.protocol import ChatCompletionRequest, ChatMessage
 from pagedlm.server.serving_common import (
@@ -39,6 +40,8 @@ from pagedlm.server.serving_common import (
     usage,
 )
 from pagedlm.server.serving_multimodal import multimodal_chat_prompt
+from pagedlm.server.structured import check_compiles, request_params
+from pagedlm.server.tools import ToolChoice, resolve_tool_choice, template_messages_tool_calls
 
 
 def check_messages_length(state: ServerState, messages: list[ChatMessage], param: str = "messages") -> None:
@@ -54,7 +57,8 @@ def check_messages_length(state: ServerState, messages: list[ChatMessage], param
 
 def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
                 param: str = "messages", continue_final_message: bool = False,
-                add_special_tokens: bool = False) -> tuple[str, list[int]]:
+                add_special_tokens: bool = False, tools: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
     """Apply the chat template (``--chat-template`` or the tokenizer's); returns (text, token ids).
 
     ``continue_final_message`` leaves the last message open (vLLM's and transformers' option);
@@ -87,9 +91,19 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
         entry: dict[str, Any] = {"role": message.role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls is not None:
+            entry["tool_calls"] = template_messages_tool_calls(message.tool_calls)
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.reasoning_content is not None:
+            entry["reasoning_content"] = message.reasoning_content
         conversation.append(entry)
     try:
-        extra = {"continue_final_message": True} if continue_final_message else {}
+        extra: dict[str, Any] = dict(template_kwargs or {})
+        if continue_final_message:
+            extra["continue_final_message"] = True
+        if tools:
+            extra["tools"] = tools
         text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
                                              add_generation_prompt=add_generation_prompt, **extra)
     except Exception as e:  # noqa: BLE001 - jinja's errors (TemplateError, UndefinedError, ...) are bad input
@@ -105,7 +119,8 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
 def _render_and_truncate(state: ServerState, req: ChatCompletionRequest, messages: list[ChatMessage],
                          add_generation_prompt: bool, param: str) -> tuple[str, list[int]]:
     text, token_ids = render_chat(state, messages, add_generation_prompt=add_generation_prompt, param=param,
-                                  continue_final_message=bool(req.continue_final_message))
+                                  continue_final_message=bool(req.continue_final_message), tools=req.tools,
+                                  template_kwargs=req.chat_template_kwargs)
     truncated = state.truncate(req, token_ids)
     if len(truncated) < len(token_ids):
         text = state.engine.tokenizer.decode(truncated)
@@ -123,15 +138,19 @@ def echo_text(req: ChatCompletionRequest, messages: list[ChatMessage]) -> str:
     return "\n".join(part.text or "" for part in last.content)
 
 
-def chat_params(state: ServerState, req: ChatCompletionRequest) -> tuple[SamplingParams, int | None]:
-    """The checks of a chat request that do not need its messages; (params, number of logprobs)."""
+def chat_params(state: ServerState, req: ChatCompletionRequest
+                ) -> tuple[SamplingParams, int | None, ToolChoice, str | None]:
+    """The checks of a chat request that do not need its messages; (params, number of logprobs,
+    tool choice, the field the params' structured outputs come from)."""
     check_model(state, req.model)
     check_engine(state)
-    if req.tools:
-        raise APIError("tools are not supported by this server", param="tools")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise APIError(f"response_format type {req.response_format.get('type')!r} is not supported: only "
-                       "\"text\"", param="response_format")
+    tool_choice = resolve_tool_choice(req, auto_tool_parser=state.tool_call_parser)
+    structured, structured_param = request_params(req, req.response_format)
+    if tool_choice.structured_outputs is not None:
+        if structured is not None:
+            raise APIError(f"tool_choice={req.tool_choice!r} constrains the output to tool calls: it cannot be "
+                           f"combined with {structured_param}", param=structured_param)
+        structured, structured_param = tool_choice.structured_outputs, "tools"
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
     stream = bool(req.stream)
@@ -144,7 +163,10 @@ def chat_params(state: ServerState, req: ChatCompletionRequest) -> tuple[Samplin
         raise APIError("prompt_logprobs are not available with stream=true", param="prompt_logprobs")
     params = make_sampling_params(req, max_tokens=max_tokens, logprobs=num_logprobs,
                                   prompt_logprobs=num_prompt_logprobs, stream=stream)
-    return params, num_logprobs
+    params.structured_outputs = structured
+    if tool_choice.mode == "auto" and state.tool_parser_class.needs_special_tokens:  # type: ignore[union-attr]
+        params.skip_special_tokens = False  # the parser reads its tags, which are special tokens
+    return params, num_logprobs, tool_choice, structured_param
 
 
 async def chat_prompt(state: ServerState, req: ChatCompletionRequest, messages: list[ChatMessage],
@@ -164,7 +186,9 @@ async def chat_prompt(state: ServerState, req: ChatCompletionRequest, messages: 
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Any:
-    params, num_logprobs = chat_params(state, req)
+    params, num_logprobs, tool_choice, structured_param = chat_params(state, req)
+    if params.structured_outputs is not None:
+        await check_compiles(state, params.structured_outputs, structured_param or "structured_outputs")
     stream = bool(req.stream)
     check_sequences(state, 1, params.n)
     multimodal = await multimodal_chat_prompt(state, req, req.messages, params)
@@ -177,7 +201,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     gen = state.engine.generate(prompt, params, request_id, lora_request=state.lora_request(req.model))
     builder = _ChatBuilder(state, request_id, int(time.time()), num_logprobs, token_ids,
                            return_ids=bool(req.return_token_ids), prompt_logprobs=req.prompt_logprobs is not None,
-                           echo=echo_text(req, req.messages), as_ids=bool(req.return_tokens_as_token_ids))
+                           echo=echo_text(req, req.messages), as_ids=bool(req.return_tokens_as_token_ids),
+                           tool_choice=tool_choice)
     builder.model = state.response_model(req.model)
     if stream:
         return SSEResponse(builder.stream(gen, params.n, *state.stream_usage(req)))
@@ -200,7 +225,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 class _ChatBuilder:
     def __init__(self, state: ServerState, request_id: str, created: int, num_logprobs: int | None,
                  prompt_token_ids: list[int], *, return_ids: bool = False, prompt_logprobs: bool = False,
-                 echo: str = "", as_ids: bool = False) -> None:
+                 echo: str = "", as_ids: bool = False, tool_choice: ToolChoice | None = None) -> None:
+        self.tool_choice = tool_choice or ToolChoice("none")
         self.prompt_logprobs = prompt_logprobs
         self.echo = echo
         self.as_ids = as_ids
@@ -229,20 +255,29 @@ class _ChatBuilder:
                             "bytes": list(text.encode("utf-8")), "top_logprobs": top})
         return {"content": content, "refusal": None}
 
+    def _choice_message(self) -> ChoiceMessage:
+        state = self.state
+        parser = state.tool_parser_class(self.tokenizer) if self.tool_choice.mode == "auto" else None
+        return ChoiceMessage(self.tool_choice, state.reasoning_parser, parser)
+
     def response(self, out: RequestOutput) -> dict[str, Any]:
         if out.error:
             raise APIError(f"generation failed: {out.error}", status=500)
-        choices = [{
-            "index": c.index,
-            # reasoning (and its older name reasoning_content): null, as vLLM sends it from a
-            # model without a reasoning parser
-            "message": {"role": "assistant", "content": self.echo + c.text, "refusal": None, "reasoning": None,
-                        "reasoning_content": None},
-            "logprobs": self._logprobs(c.token_ids, c.logprobs),
-            "finish_reason": finish_reason(c.finish_reason),
-            "stop_reason": c.stop_reason,
-            "token_ids": list(c.token_ids) if self.return_ids else None,
-        } for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            # reasoning (and its older name reasoning_content): null without a reasoning parser, as vLLM
+            chosen = self._choice_message()
+            message = {"role": "assistant", "refusal": None, **chosen.message(c.text)}
+            if self.echo:
+                message["content"] = self.echo + (message["content"] or "")
+            choices.append({
+                "index": c.index,
+                "message": message,
+                "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                "finish_reason": chosen.finish_reason(finish_reason(c.finish_reason)),
+                "stop_reason": c.stop_reason,
+                "token_ids": list(c.token_ids) if self.return_ids else None,
+            })
         num_generated = sum(len(c.token_ids) for c in out.outputs)
         # vLLM's extensions are always there, null unless asked for
         body = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
@@ -298,6 +333,7 @@ class _ChatBuilder:
                     chunk["usage"] = usage(num_prompt, 0)
                 yield sse(chunk)
         finished: set[int] = set()
+        chosen = [self._choice_message() for _ in range(n)]
         num_generated = num_cached = 0
         async for out in gen:
             if out.error:
@@ -314,7 +350,10 @@ class _ChatBuilder:
                     finished.add(c.index)
                 elif not c.text and not c.token_ids:
                     continue  # nothing new (tokens that decode to no text, e.g. half a character, still go out)
-                delta = {"content": c.text} if c.text or reason is None else {}
+                delta = chosen[c.index].delta(c.text, final=reason is not None)
+                if not delta and reason is None:
+                    delta = {"content": ""}
+                reason = chosen[c.index].finish_reason(reason)
                 chunk = self._chunk([{"index": c.index, "delta": delta,
                                       "logprobs": self._logprobs(c.token_ids, c.logprobs), "finish_reason": reason,
                                       "stop_reason": c.stop_reason,

@@ -20,6 +20,7 @@ from pagedlm.server.errors import APIError, error_response
 from pagedlm.server.protocol import BatchChatCompletionRequest
 from pagedlm.server.serving_chat import _ChatBuilder, chat_params, chat_prompt, echo_text
 from pagedlm.server.serving_common import ServerState, check_sequences, engine_dead, merge, random_id, until_disconnect
+from pagedlm.server.structured import check_compiles
 
 
 async def create_batch_chat_completion(state: ServerState, req: BatchChatCompletionRequest, raw: Request) -> Any:
@@ -28,7 +29,12 @@ async def create_batch_chat_completion(state: ServerState, req: BatchChatComplet
                        "conversation to /v1/chat/completions to stream", param="stream")
     if (req.n or 1) != 1:
         raise APIError(f"n={req.n} is not supported by /v1/chat/completions/batch: it must be 1", param="n")
-    params, num_logprobs = chat_params(state, req)
+    if req.tools:
+        raise APIError("tools are not supported by /v1/chat/completions/batch: send one request per conversation "
+                       "to /v1/chat/completions", param="tools")
+    params, num_logprobs, _, structured_param = chat_params(state, req)
+    if params.structured_outputs is not None:
+        await check_compiles(state, params.structured_outputs, structured_param or "structured_outputs")
     check_sequences(state, len(req.messages), 1)
     prompts = [await chat_prompt(state, req, conversation, params, param=f"messages[{i}]")
                for i, conversation in enumerate(req.messages)]

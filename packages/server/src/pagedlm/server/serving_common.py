@@ -59,6 +59,11 @@ class ServerState:
     def response_model(self, model: str | None) -> str:
         """The ``model`` of a response: the adapter's name when one was selected (as vLLM's)."""
         return model if model is not None and self.lora_request(model) is not None else self.model_name
+    #: --tool-call-parser's name when --enable-auto-tool-choice is on (tool_choice="auto"), and its class
+    tool_call_parser: str | None = None
+    tool_parser_class: Any = None
+    #: the --reasoning-parser (a ReasoningParser, shared: it keeps no per-request state), or None
+    reasoning_parser: Any = None
 
     def resolve_logprobs(self, value: int | None, param: str) -> int | None:
         """A logprobs count of a request: -1 means the whole vocabulary, as in vLLM; more than
@@ -228,6 +233,7 @@ def make_sampling_params(req: SamplingFields, *, max_tokens: int | None, logprob
         logit_bias=parse_logit_bias(req.logit_bias),
         skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        extra_args=req.vllm_xargs,
     )
     if req.kv_transfer_params is not None:  # the KV connector reads them there, as vLLM's
         kwargs["extra_args"] = {"kv_transfer_params": req.kv_transfer_params}

@@ -44,6 +44,7 @@ from pagedlm.server.serving_common import (
     until_disconnect,
     usage,
 )
+from pagedlm.server.structured import check_compiles, request_params
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 
@@ -154,6 +155,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         num_prompt_logprobs = num_logprobs
     params = make_sampling_params(req, max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, logprobs=num_logprobs,
                                   prompt_logprobs=num_prompt_logprobs, stream=stream)
+    params.structured_outputs, structured_param = request_params(req)
+    if params.structured_outputs is not None:
+        await check_compiles(state, params.structured_outputs, structured_param or "structured_outputs")
     raw_prompts = _prompts(req) if req.prompt is not None else []
     num_embeds = len(prompt_embeds_items(req.prompt_embeds)) if req.prompt_embeds is not None else 0
     check_sequences(state, num_embeds + len(raw_prompts), n)

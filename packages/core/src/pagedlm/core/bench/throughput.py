@@ -7,11 +7,12 @@ and the clock runs from the ``generate`` call to its return, after an untimed wa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import time
 from typing import Any
 
-from pagedlm.core.bench import common
+from pagedlm.core.bench import common, structured
 from pagedlm.core.bench.images import add_image_options, image_prompts, run_hf_generate, warm_up_images
 from pagedlm.core.bench.lora import RandomAdapters, add_lora_options, engine_overrides
 from pagedlm.core.bench.profile import profiled
@@ -35,6 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="run the timed batch under torch.profiler; DIR gets the top ops and device time "
                         "(profiling slows the host: compare device times, not throughput)")
+    structured.add_structured_output_options(p)
     common.add_engine_options(p)
     p.set_defaults(func=run)
 
@@ -72,6 +74,10 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
     if args.num_loras and args.compare:
         raise ValueError("--compare hf runs the base model only; drop --num-loras (or --compare)")
     setup.kwargs.update(engine_overrides(args, setup.kwargs))
+    if args.structured_output_schema:
+        if data_parallel:
+            raise ValueError("--structured-output-schema measures the bitmasks of one engine core in this process")
+        structured.prepare_engine(setup.kwargs, vocab)
     t_init = time.perf_counter()
     llm = setup.build()
     init_s = time.perf_counter() - t_init
@@ -83,9 +89,16 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
     recorder = None if data_parallel else StepRecorder(llm)
     prompts = image_prompts(args, llm, workload.prompts) or [{"prompt_token_ids": p} for p in workload.prompts]
     params = workload.sampling_params()
+    bitmask_cost = None
+    if args.structured_output_schema:
+        structured.apply_schema(args.structured_output_schema, params)
+        structured.warm_up(llm, params, workload.prompts[0])
+        bitmask_cost = structured.BitmaskCost()
+    recorder = None if data_parallel else StepRecorder(llm)
     if recorder is not None:
         recorder.restart_clock()
-    with profiled(args.profile, engine["device"]) as profile_summary:
+    with profiled(args.profile, engine["device"]) as profile_summary, \
+            (bitmask_cost.measuring() if bitmask_cost is not None else contextlib.nullcontext()):
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False,
                                lora_request=adapters.for_requests(len(prompts)) if adapters else None)
@@ -132,6 +145,8 @@ def measure(args: argparse.Namespace, setup: common.EngineSetup) -> dict[str, An
         if adapters is not None and profile_summary.get("device_time_s"):
             result["lora"]["kernel_share_of_device_time"] = (profile_summary["lora_device_time_s"]
                                                              / profile_summary["device_time_s"])
+    if bitmask_cost is not None:
+        result["structured_outputs"] = {"schema": args.structured_output_schema, **bitmask_cost.summary(llm)}
     if args.kv_timeline:
         title = (f"pagedlm bench throughput: {engine['model']} ({engine['device']}, {engine['dtype']}), "
                  f"workload {workload.name} x{workload.num_requests}\n{engine['num_blocks']:,} blocks x "
@@ -232,6 +247,9 @@ def _print(r: dict[str, Any]) -> None:
             rows += [("HF elapsed (s)", hf["elapsed_s"]), ("HF output tokens/s", hf["output_tokens_per_s"]),
                      ("pagedlm / HF", f"{r['speedup_vs_hf']:.2f}x output tokens/s ({hf['api']}, "
                                       f"{hf['attn_implementation']})")]
+    if "structured_outputs" in r:
+        so = r["structured_outputs"]
+        rows += structured.describe(so["schema"], so)
     if "kv_timeline" in r:
         rows.append(("KV timeline", f"{r['kv_timeline']['png']} (+ {r['kv_timeline']['json']})"))
     if "profile" in r:

@@ -20,6 +20,7 @@ from pagedlm.core.config import (
     ParallelConfig,
     ProfilerConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
     VllmConfig,
 )
 from pagedlm.core.distributed.kv_transfer.config import KVTransferConfig
@@ -85,6 +86,10 @@ _HELP = {
     "max_cpu_loras": "LoRA adapters kept in host memory (default: max_loras)",
     "lora_dtype": "dtype of the LoRA weights on the device: auto (the model's), float16, bfloat16, float32",
     "fully_sharded_loras": "vLLM's option (not supported: refused)",
+    "structured_outputs_config": 'JSON object of vLLM\'s StructuredOutputsConfig, e.g. \'{"backend": "xgrammar"}\' '
+    "(backend: auto, xgrammar or a plugin's; disable_any_whitespace, disable_additional_properties)",
+    "reasoning_parser": "split a reasoning model's thinking from its answer (deepseek_r1, qwen3, or a plugin's); "
+    "structured outputs then apply after the thinking",
 }
 
 #: the values of vLLM's options that mean what pagedlm does anyway
@@ -148,6 +153,8 @@ class EngineArgs:
     kv_transfer_config: dict[str, Any] | KVTransferConfig | None = None
     kv_offloading_size: float | None = None
     kv_offloading_backend: str = "native"
+    structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None
+    reasoning_parser: str = ""
     additional_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -173,6 +180,7 @@ class EngineArgs:
     def _create_vllm_config(self, profiler: Any) -> VllmConfig:
         return VllmConfig(
             profiler_config=ProfilerConfig.from_any(profiler),
+            structured_outputs_config=self._structured_outputs_config(),
             model_config=ModelConfig(
                 model=self.model,
                 tokenizer=self.tokenizer,
@@ -239,6 +247,15 @@ class EngineArgs:
                              "{'cpu_bytes_to_use': N}} is what kv_offloading_size sets)")
         return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                                 kv_connector_extra_config={"cpu_bytes_to_use": int(size * 2**30)})
+
+    def _structured_outputs_config(self) -> StructuredOutputsConfig:
+        config = StructuredOutputsConfig.from_any(self.structured_outputs_config)
+        if self.reasoning_parser:
+            if config.reasoning_parser and config.reasoning_parser != self.reasoning_parser:
+                raise ValueError(f"reasoning_parser={self.reasoning_parser!r} and structured_outputs_config's "
+                                 f"reasoning_parser={config.reasoning_parser!r} disagree; give one")
+            config = dataclasses.replace(config, reasoning_parser=self.reasoning_parser)
+        return config
 
     # -- command line -------------------------------------------------------------------------
     @classmethod

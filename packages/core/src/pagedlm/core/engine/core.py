@@ -17,6 +17,7 @@ from pagedlm.core.multimodal.encoder_cache import make_encoder_cache_manager
 from pagedlm.core.request import EngineCoreRequest, Request, RequestStatus
 from pagedlm.core.sched import EngineCoreOutput, Scheduler, SchedulerStats
 from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
 
@@ -71,6 +72,7 @@ class EngineCore:
             kv_load_failure_policy=(vllm_config.kv_transfer_config.kv_load_failure_policy
                                     if vllm_config.kv_transfer_config is not None else "recompute"),
             encoder_cache=make_encoder_cache_manager(vllm_config),
+            structured_output_manager=StructuredOutputManager(vllm_config),
         )
         self._stats_listeners: list[StatsListener] = []
         #: ``pause_scheduler``: nothing new is scheduled (batches in flight still finish)
@@ -159,6 +161,13 @@ class EngineCore:
         self._stats_listeners.append(listener)
 
     def step(self) -> list[EngineCoreOutput]:
+        outputs = self._step()
+        if self.scheduler.failed_outputs:  # requests failed outside the step (their grammar)
+            outputs = self.scheduler.failed_outputs + outputs
+            self.scheduler.failed_outputs = []
+        return outputs
+
+    def _step(self) -> list[EngineCoreOutput]:
         if self.paused:
             # Only the batches already on the device finish.
             outputs: list[EngineCoreOutput] = []
@@ -177,6 +186,7 @@ class EngineCore:
     def _step_with_batch_queue(self, queue: deque[tuple[Future, SchedulerOutput]]) -> list[EngineCoreOutput]:
         """Submit a new batch while the queue has room; otherwise (or when nothing new can be
         scheduled) wait for the oldest batch and return its outputs."""
+        outputs: list[EngineCoreOutput] = []
         if len(queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
             # NOTE: an empty batch still goes out when it carries finished or preempted ids: the
@@ -185,14 +195,21 @@ class EngineCore:
             if not scheduler_output.is_empty or scheduler_output.finished_req_ids \
                     or scheduler_output.preempted_req_ids or scheduler_output.kv_connector_metadata is not None \
                     or self.scheduler.kv_transfer is not None:
+                if self.scheduler.needs_grammar_bitmask(scheduler_output):
+                    # Structured outputs: the rows need the matchers advanced over the tokens of
+                    # the batch in flight; take it back first (the step was scheduled meanwhile).
+                    while queue:
+                        future, in_flight = queue.popleft()
+                        outputs.extend(self._update(in_flight, future.result()))
+                    self.scheduler.fill_grammar_bitmask(scheduler_output)
                 future = self.executor.execute_model(scheduler_output, non_block=True)
                 queue.append((future, scheduler_output))  # type: ignore[arg-type]
                 if len(queue) < self.batch_queue_size and scheduler_output.total_num_scheduled_tokens > 0:
-                    return []
+                    return outputs
         if not queue:
-            return []
+            return outputs
         future, scheduler_output = queue.popleft()
-        outputs = self._update(scheduler_output, future.result())
+        outputs.extend(self._update(scheduler_output, future.result()))
         # NOTE: once nothing is left to run, batches still in flight only carry tokens of finished
         # requests; drain them now so that no stale batch is waiting when new requests arrive.
         while queue and not self.scheduler.has_unfinished_requests():
@@ -244,6 +261,9 @@ class EngineCore:
         try:
             self._finish_kv_transfers()
         finally:
+            som = self.scheduler.structured_output_manager if hasattr(self, "scheduler") else None
+            if som is not None:
+                som.shutdown()
             self.executor.shutdown()
 
     def _finish_kv_transfers(self, timeout_s: float = 30.0) -> None:

@@ -168,7 +168,11 @@ class OutputProcessor:
             if out.new_logprobs is not None and seq.logprobs is not None:
                 self._append_logprobs(seq, out.new_logprobs)
             detok = seq.detokenizer
-            stop_str = detok.update(new_token_ids) if detok is not None else None
+            detok_ids = new_token_ids
+            if out.finish_reason == "stop" and new_token_ids and not seq.params.include_stop_str_in_output \
+                    and new_token_ids[-1] in seq.params.all_stop_token_ids:
+                detok_ids = new_token_ids[:-1]  # as vLLM: a stop token's text is not output (special or not)
+            stop_str = detok.update(detok_ids) if detok is not None else None
             if stop_str is not None:
                 if out.finish_reason is None:
                     to_abort.append(out.request_id)

@@ -18,6 +18,7 @@ PromptType = str | Mapping[str, Any]
 
 class Processor:
     def __init__(self, vllm_config: VllmConfig, tokenizer: Any | None) -> None:
+        self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
         self.max_model_len = vllm_config.max_model_len
         self.vocab_size = self.model_config.vocab_size
@@ -34,6 +35,15 @@ class Processor:
 
         #: a multimodal model's input processor (HF's processors load on first use); None otherwise
         self.mm_processor = create_processor(self.model_config)
+        soc = vllm_config.structured_outputs_config
+        if soc.backend != "auto":  # a bad name fails at start-up, not with the first request
+            from pagedlm.core.structured_output.manager import resolve_backend_class
+
+            resolve_backend_class(soc.backend)
+        if soc.reasoning_parser:
+            from pagedlm.core.reasoning import get_reasoning_parser
+
+            get_reasoning_parser(soc.reasoning_parser)
 
     def tokenize_prompt(self, prompt: PromptType, *, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, prompt token ids)."""
@@ -156,5 +166,9 @@ class Processor:
                 f"max_model_len={self.max_model_len}; lower max_tokens to at most {self.max_model_len - num}"
             )
         params.verify_for_model(self.vocab_size)
+        if params.structured_outputs is not None:
+            from pagedlm.core.structured_output.manager import validate_structured_outputs
+
+            validate_structured_outputs(self.vllm_config, params.structured_outputs)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine runs with skip_tokenizer_init=True")

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from pagedlm.core.config import ModelConfig
+    from pagedlm.core.config import ModelConfig, VllmConfig
     from pagedlm.core.engine.async_client import EngineDeadError
     from pagedlm.core.engine.processor import PromptType
     from pagedlm.core.metrics import EngineStatsSnapshot
@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 @runtime_checkable
 class EngineClient(Protocol):
     # -- the model -------------------------------------------------------------------------------
+    @property
+    def vllm_config(self) -> VllmConfig:
+        """The engine's final configuration (read it, never change it); vLLM's EngineClient has it."""
+
     @property
     def model_config(self) -> ModelConfig:
         """The served model (final: read it, never change it)."""

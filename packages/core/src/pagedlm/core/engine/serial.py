@@ -35,7 +35,7 @@ import msgspec
 
 from pagedlm.core.metrics.stats import EngineStatsSnapshot
 from pagedlm.core.request import EngineCoreRequest
-from pagedlm.core.sampling_params import RequestOutputKind, SamplingParams
+from pagedlm.core.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pagedlm.core.sched import EngineCoreOutput
 
 
@@ -101,6 +101,8 @@ def _params_to_wire(params: SamplingParams) -> list[Any]:
             value = sorted(value)
         elif isinstance(value, enum.Enum):
             value = int(value.value)
+        elif isinstance(value, StructuredOutputsParams):
+            value = value.to_wire()
         values.append(value)
     return values
 
@@ -112,6 +114,8 @@ def _params_from_wire(values: list[Any]) -> SamplingParams:
     fields["output_kind"] = RequestOutputKind(fields["output_kind"])
     if fields["logit_bias"] is not None:
         fields["logit_bias"] = {int(k): float(v) for k, v in fields["logit_bias"].items()}
+    if fields["structured_outputs"] is not None:
+        fields["structured_outputs"] = StructuredOutputsParams.from_wire(fields["structured_outputs"])
     params.__dict__.update(fields)
     return params
 

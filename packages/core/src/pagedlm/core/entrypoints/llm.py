@@ -115,12 +115,15 @@ class LLM:
         add_generation_prompt: bool = True,
         lora_request: Any = None,
         chat_template_content_format: str = "auto",
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations (OpenAI-style messages).
 
         A multimodal model takes image parts (``{"type": "image_url", "image_url": {"url": ...}}``
         or ``{"type": "image_pil", "image_pil": PIL.Image}``); ``chat_template_content_format``
-        (auto, string or openai) says how the template takes content (docs/multimodal.md)."""
+        (auto, string or openai) says how the template takes content (docs/multimodal.md).
+        ``tools`` (OpenAI-style function tools) and ``chat_template_kwargs`` go to the chat template."""
         from jinja2 import TemplateError
 
         from pagedlm.core.multimodal.chat import has_image_parts, render_multimodal_chat
@@ -141,7 +144,7 @@ class LLM:
             try:
                 token_ids = tokenizer.apply_chat_template(
                     conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                    tokenize=True, return_dict=False,
+                    tokenize=True, return_dict=False, tools=tools, **(chat_template_kwargs or {}),
                 )
             except (ValueError, TemplateError) as e:  # a template's raise_exception is a TemplateError
                 hint = ""

@@ -208,7 +208,22 @@ class Plugins:
 
     def kv_connectors(self) -> dict[str, str]:
         """KV connector name -> ``"module:Class"`` (``pagedlm_register_kv_connectors``)."""
-        regs = self.collect("pagedlm_register_kv_connectors", _kv_connector, "KV connector")
+        regs = self.collect("pagedlm_register_kv_connectors", _named_class, "KV connector")
+        return {str(key): reg.value for key, reg in regs.items()}
+
+    def structured_output_backends(self) -> dict[str, str]:
+        """Structured-output backend name -> ``"module:Class"``."""
+        regs = self.collect("pagedlm_register_structured_output_backends", _named_class, "structured-output backend")
+        return {str(key): reg.value for key, reg in regs.items()}
+
+    def reasoning_parsers(self) -> dict[str, str]:
+        """Reasoning parser name -> ``"module:Class"``."""
+        regs = self.collect("pagedlm_register_reasoning_parsers", _named_class, "reasoning parser")
+        return {str(key): reg.value for key, reg in regs.items()}
+
+    def tool_parsers(self) -> dict[str, str]:
+        """Tool-call parser name -> ``"module:Class"``."""
+        regs = self.collect("pagedlm_register_tool_parsers", _named_class, "tool parser")
         return {str(key): reg.value for key, reg in regs.items()}
 
     def add_cli_commands(self, subparsers: argparse._SubParsersAction) -> None:
@@ -239,7 +254,7 @@ def _quantization_method(name: str, class_path: str) -> tuple[str, str]:
     return str(name), str(class_path)
 
 
-def _kv_connector(name: str, class_path: str) -> tuple[str, str]:
+def _named_class(name: str, class_path: str) -> tuple[str, str]:
     return str(name), str(class_path)
 
 

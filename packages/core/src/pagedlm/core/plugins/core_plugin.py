@@ -1,4 +1,5 @@
-"""pagedlm-core's own hook implementations: the built-in quantization methods and KV connectors.
+"""pagedlm-core's own hook implementations: the built-in quantization methods, KV connectors, the
+xgrammar structured-output backend and the ``<think>`` reasoning parsers.
 
 Registered by :class:`pagedlm.core.plugins.Plugins` under the name ``"core"`` whatever the
 autoload settings, through the same hooks as any plugin (so a plugin can replace a built-in
@@ -30,3 +31,14 @@ def pagedlm_register_kv_connectors(register: Callable[..., None]) -> None:
     register("SharedStorageConnector", f"{_KVT}.shared_storage_connector:SharedStorageConnector")
     register("P2pConnector", f"{_KVT}.p2p_connector:P2pConnector")
     register("OffloadingConnector", f"{_KVT}.offloading_connector:OffloadingConnector")
+
+
+@hookimpl
+def pagedlm_register_structured_output_backends(register: Callable[..., None]) -> None:
+    register("xgrammar", "pagedlm.core.structured_output.xgrammar_backend:XgrammarBackend")
+
+
+@hookimpl
+def pagedlm_register_reasoning_parsers(register: Callable[..., None]) -> None:
+    register("deepseek_r1", "pagedlm.core.reasoning.think:DeepSeekR1ReasoningParser")
+    register("qwen3", "pagedlm.core.reasoning.think:Qwen3ReasoningParser")

@@ -153,3 +153,39 @@ def pagedlm_register_kv_connectors(register: Callable[..., None]) -> None:
     built-in connectors (SharedStorageConnector, P2pConnector, OffloadingConnector) through this
     same hook. Returns nothing.
     """
+
+
+@hookspec
+def pagedlm_register_structured_output_backends(register: Callable[..., None]) -> None:
+    """Register grammar engines for structured outputs by name.
+
+    Call ``register(name, class_path)``: ``name`` is what users pass as
+    ``structured_outputs_config={"backend": name}``; ``class_path`` is a ``"module:Class"`` string
+    naming a :class:`pagedlm.core.structured_output.backend.StructuredOutputBackend` subclass,
+    imported only when a request asks for a grammar (in the engine core) or is validated (in the
+    front end). ``"auto"`` means ``"xgrammar"``, which pagedlm-core registers through this same
+    hook. Returns nothing.
+    """
+
+
+@hookspec
+def pagedlm_register_reasoning_parsers(register: Callable[..., None]) -> None:
+    """Register reasoning parsers (``--reasoning-parser NAME``) by name.
+
+    Call ``register(name, class_path)``: ``class_path`` is a ``"module:Class"`` string naming a
+    :class:`pagedlm.core.reasoning.ReasoningParser` subclass, built as ``Cls(tokenizer)``. It splits
+    a reasoning model's output into thinking and answer, and tells the structured-output manager
+    where the thinking ends. pagedlm-core registers ``deepseek_r1`` and ``qwen3``. Returns nothing.
+    """
+
+
+@hookspec
+def pagedlm_register_tool_parsers(register: Callable[..., None]) -> None:
+    """Register tool-call parsers (``--tool-call-parser NAME``) by name.
+
+    Call ``register(name, class_path)``: ``class_path`` is a ``"module:Class"`` string naming a
+    :class:`pagedlm.server.tool_parsers.ToolParser` subclass, built as ``Cls(tokenizer)``; it finds
+    the tool calls in a model's output (whole, and incrementally for streams) for
+    ``tool_choice="auto"``. pagedlm-server registers ``hermes``, ``qwen3`` (hermes-style
+    ``<tool_call>`` tags), ``llama3_json`` and ``mistral``. Returns nothing.
+    """

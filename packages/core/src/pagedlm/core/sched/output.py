@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from pagedlm.core.sampling_params import SamplingParams
 
 
@@ -70,6 +72,10 @@ class SchedulerOutput:
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     #: item hashes whose encoder outputs the workers drop (evicted from the encoder cache)
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    #: structured outputs: req_id -> row of ``grammar_bitmask`` (``int32 [rows, ceil(V/32)]``) for
+    #: the requests that sample in this step under a grammar (structured_output/bitmask.py)
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -18,6 +18,10 @@ computes like a known token (the model runner feeds the sampled id on the device
 token would end it by length, or whose sampling reads its output history on the host
 (penalties, ``min_tokens``), is not scheduled ahead of its placeholder.
 
+Structured outputs (``structured_output/manager.py``): a request with a grammar waits outside the
+waiting queue until its grammar has compiled; each schedule ends with the bitmask rows of the
+requests that sample under a grammar, and ``update_from_output`` advances their matchers.
+
 The ``SchedulerOutput`` is the workers' one source of request state: new requests in full, and
 for the others their new blocks and the tokens the scheduler received for them since it last
 scheduled them (``new_token_ids``). Every worker, of every pipeline stage, learns the sampled
@@ -29,6 +33,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from pagedlm.core.distributed.kv_transfer.base import KVConnectorBase_V1
 from pagedlm.core.distributed.kv_transfer.scheduling import KVTransferScheduling
@@ -43,6 +48,9 @@ from pagedlm.core.sched.output import (
     SchedulerOutput,
     SchedulerStats,
 )
+
+if TYPE_CHECKING:
+    from pagedlm.core.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
 
@@ -95,8 +103,15 @@ class Scheduler:
         kv_connector: KVConnectorBase_V1 | None = None,
         kv_load_failure_policy: str = "recompute",
         encoder_cache: EncoderCacheManager | None = None,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
+        #: holds requests with ``structured_outputs`` until their grammar is ready, fills each
+        #: step's bitmask rows and advances their matchers (structured_output/manager.py)
+        self.structured_output_manager = structured_output_manager
+        #: outputs of requests finished outside a step (a grammar that failed to compile); the
+        #: engine core sends them with the next step's outputs
+        self.failed_outputs: list[EngineCoreOutput] = []
         self._no_block_ids: tuple[list[int], ...] = tuple([] for _ in kv_cache_manager.managers)
         self.async_scheduling = async_scheduling
         self.max_num_seqs = max_num_seqs
@@ -135,6 +150,8 @@ class Scheduler:
         # NOTE: the length limit in one number (max_tokens and max_model_len), read every step
         request.max_num_tokens = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
         self.requests[request.request_id] = request
+        if self.structured_output_manager is not None and self.structured_output_manager.hold(request):
+            return  # joins the waiting queue once its grammar is compiled
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -147,7 +164,8 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
-            elif self.kv_transfer is None or not self.kv_transfer.forget_waiting(req):
+            elif (self.kv_transfer is None or not self.kv_transfer.forget_waiting(req)) and \
+                    (self.structured_output_manager is None or not self.structured_output_manager.is_held(req)):
                 self.waiting.remove(req)
             req.status = status
             self._free(req)
@@ -165,14 +183,31 @@ class Scheduler:
             self.encoder_cache.free_request(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.remove(request.request_id)
         return params
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running) or (self.kv_transfer is not None and self.kv_transfer.has_work())
+        return bool(self.waiting or self.running or self._num_held()) or (
+            self.kv_transfer is not None and self.kv_transfer.has_work())
 
     def get_num_unfinished_requests(self) -> int:
         loading = self.kv_transfer.num_waiting() if self.kv_transfer is not None else 0
-        return len(self.waiting) + len(self.running) + loading
+        return len(self.waiting) + len(self.running) + self._num_held() + loading
+
+    def _num_held(self) -> int:
+        som = self.structured_output_manager
+        return som.num_held if som is not None else 0
+
+    def _admit_structured_output_requests(self, som: StructuredOutputManager) -> None:
+        """Move requests whose grammar is ready to the waiting queue; finish those whose grammar
+        failed (with their error, sent by the engine core with the next outputs)."""
+        ready, failed = som.take_ready(block=not self.waiting and not self.running)
+        self.waiting.extend(ready)
+        for request, error in failed:
+            request.status = RequestStatus.FINISHED_ERROR
+            self._free(request)
+            self.failed_outputs.append(EngineCoreOutput(request.request_id, [], "error", error=error))
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -180,6 +215,9 @@ class Scheduler:
         # changed for it (its new token, rarely a block) and nothing else: the per-request numbers
         # are read once into locals, the workers' columns are appended to in one pass, and the
         # request's bookkeeping (tokens computed, placeholder) is updated in that same pass.
+        som = self.structured_output_manager
+        if som is not None and som.num_held:
+            self._admit_structured_output_requests(som)
         token_budget = self.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -359,6 +397,10 @@ class Scheduler:
             self.waiting.extendleft(reversed(lora_skipped))
         total = self.max_num_batched_tokens - token_budget
         assert len(running) <= self.max_num_seqs
+        # NOTE: with async scheduling the engine core fills them (fill_grammar_bitmask) once the
+        # batch in flight, whose tokens the grammars need first, is back
+        grammar_rows, grammar_bitmask = som.grammar_bitmask(self.requests, num_scheduled_tokens) \
+            if som is not None and not async_scheduling else ({}, None)
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -366,6 +408,8 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
+            structured_output_request_ids=grammar_rows,
+            grammar_bitmask=grammar_bitmask,
         )
         if encoder is not None:
             output.scheduled_encoder_inputs = scheduled_encoder_inputs
@@ -399,6 +443,8 @@ class Scheduler:
         all_logprobs, all_prompt_logprobs = runner_output.logprobs, runner_output.prompt_logprobs
         get_request = self.requests.get
         running_status = RequestStatus.RUNNING
+        som = self.structured_output_manager
+        grammar_active = som is not None and som.has_requests
         for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = get_request(req_id)
             if request is None:
@@ -432,6 +478,9 @@ class Scheduler:
                     new_token_ids.append(token_id)
                     if self._check_stop(request, token_id):
                         break
+            error = None
+            if grammar_active and new_token_ids and not request.is_finished:
+                error = self._advance_grammar(request, new_token_ids)
             logprobs = all_logprobs.get(req_id) if all_logprobs else None
             if logprobs is not None and len(new_token_ids) < len(token_ids):
                 logprobs = tuple(x[: len(new_token_ids)] for x in logprobs)
@@ -444,7 +493,7 @@ class Scheduler:
                     # the metrics' queue and prefill times, once per request
                     timing=((request.queued_time, request.scheduled_time or request.queued_time)
                             if request.num_output_tokens == len(new_token_ids) else None),
-                    num_preemptions=request.num_preemptions,
+                    num_preemptions=request.num_preemptions, error=error,
                 )
             )
             if finished:
@@ -468,6 +517,30 @@ class Scheduler:
             if self.finish_requests([req_id], RequestStatus.FINISHED_ERROR):
                 logger.warning("request %s failed: %s", req_id, reason)
                 outputs.append(EngineCoreOutput(req_id, [], finish_reason="error", error=reason))
+
+    def needs_grammar_bitmask(self, output: SchedulerOutput) -> bool:
+        """Whether a step scheduled with async scheduling has rows for the engine core to fill."""
+        som = self.structured_output_manager
+        return self.async_scheduling and som is not None and som.any_in(output.num_scheduled_tokens)
+
+    def fill_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        """Fill a step's grammar bitmask rows (async scheduling: once the batch in flight is back)."""
+        som = self.structured_output_manager
+        assert som is not None
+        output.structured_output_request_ids, output.grammar_bitmask = som.grammar_bitmask(
+            self.requests, output.num_scheduled_tokens)
+
+    def _advance_grammar(self, request: Request, token_ids: list[int]) -> str | None:
+        """Advance the request's grammar over its new tokens: a grammar that has ended stops the
+        request; a token it refuses fails the request (returns the error)."""
+        verdict = self.structured_output_manager.accept_tokens(request, token_ids)  # type: ignore[union-attr]
+        if verdict is None:
+            return None
+        if verdict == "stop":
+            request.status = RequestStatus.FINISHED_STOPPED
+            return None
+        request.status = RequestStatus.FINISHED_ERROR
+        return verdict
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """Finish the request if ``token_id`` (its newest token) stops it; returns whether it did."""

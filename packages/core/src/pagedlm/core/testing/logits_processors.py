@@ -110,3 +110,45 @@ class RepeatAdapterLogitsProcessor(AdapterLogitsProcessor):
         if extra.get("echo_first"):
             return _ForcePromptToken()
         return None
+
+
+class _ForceTokens:
+    """Per-request: output ``token_ids`` one after the other, then ``end_id`` (None: then the
+    model's own tokens)."""
+
+    def __init__(self, token_ids: list[int], end_id: int | None) -> None:
+        self.token_ids = token_ids
+        self.end_id = end_id
+
+    def __call__(self, output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        position = len(output_ids)
+        forced = self.token_ids[position] if position < len(self.token_ids) else self.end_id
+        if forced is None:
+            return logits
+        logits[:] = float("-inf")
+        logits[forced] = 0.0
+        return logits
+
+
+class ForcedTextLogitsProcessor(AdapterLogitsProcessor):
+    """A fake model's output: ``extra_args["forced_text"]`` (``vllm_xargs`` on the server) is written
+    token by token (as the model's tokenizer encodes it), then the end-of-sequence token;
+    ``extra_args["forced_prefix"]`` is written and the model goes on by itself. Tests of output
+    parsers (tool calls, reasoning) use it to make a random model write a given text."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        super().__init__(vllm_config, device, is_pin_memory)
+        from pagedlm.core.engine.tokenizer import get_tokenizer
+
+        self.tokenizer = get_tokenizer(vllm_config.model_config.tokenizer)
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_req_logits_processor(self, params: SamplingParams) -> RequestLogitsProcessor | None:
+        extra = params.extra_args or {}
+        text = extra.get("forced_text", extra.get("forced_prefix"))
+        if text is None:
+            return None
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        return _ForceTokens(list(ids), int(self.tokenizer.eos_token_id) if "forced_text" in extra else None)

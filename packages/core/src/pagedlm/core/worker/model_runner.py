@@ -34,6 +34,7 @@ from pagedlm.core.sample import (
 )
 from pagedlm.core.sample.logits_processor import BatchLogitsProcessors, build_logitsprocs
 from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.structured_output.bitmask import apply_grammar_bitmask
 from pagedlm.core.worker.input_batch import InputBatch, StepInputs
 from pagedlm.core.worker.prompt_embeds import embedding_body, gather_step_prompt_embeds, input_embeddings_override
 
@@ -316,6 +317,9 @@ class ModelRunner:
                                            prompt_logprobs=prompt_logprobs), non_block)
         sample_states = [states[i] for i in step.sample_indices]
         logits = self.compute_sample_logits(step, hidden_states)
+        if sched.grammar_bitmask is not None:
+            apply_grammar_bitmask(logits, [s.req_id for s in sample_states], sched.structured_output_request_ids,
+                                  sched.grammar_bitmask)
         out = self.sampler(logits, self._sampling_metadata(sample_states, logits.shape[-1]))
         batch.set_sampled_on_device(sample_states, out.sampled_token_ids)
         token_ids_host, event = self.copy_to_host(out.sampled_token_ids)
