@@ -479,6 +479,8 @@ class VllmConfig(_Freezable):
     #: the model's quantization method (``pagedlm.core.layers.quantization.QuantizationConfig``),
     #: built from ``model_config.quantization`` or the checkpoint; None: full precision
     quant_config: Any = None
+    #: speculative decoding (``pagedlm.core.spec_decode.SpeculativeConfig``); None: off
+    speculative_config: Any = None
     #: who drives the engine: "llm" (offline batches: throughput) or "server" (online: latency);
     #: platforms pick defaults by it (``Platform.default_max_num_batched_tokens``)
     usage_context: str = "llm"
@@ -527,6 +529,10 @@ class VllmConfig(_Freezable):
                         f"dtype={_dtype_name(mc.dtype)}; supported: {', '.join(_dtype_name(d) for d in supported)}")
         else:
             self.scheduler_config.finalize(self.scheduler_config.max_model_len)
+        if self.speculative_config is not None:
+            from pagedlm.core.spec_decode.config import check_speculative_config
+
+            check_speculative_config(self)
         self._resolve_async_scheduling(platform.supports_async_scheduling)
         platform.check_and_update_config(self)
         get_plugins().check_and_update_config(self)

@@ -20,6 +20,7 @@ from pagedlm.core.config import (
     SchedulerConfig,
     VllmConfig,
 )
+from pagedlm.core.spec_decode.config import SpeculativeConfig
 
 _HELP = {
     "model": "local HF model directory (config.json, *.safetensors, tokenizer.json) or a .gguf file; "
@@ -65,6 +66,9 @@ _HELP = {
     "enable_prompt_embeds": "accept {'prompt_embeds': tensor} prompts (embeddings instead of token ids)",
     "profiler_config": 'JSON object of vLLM\'s ProfilerConfig, e.g. \'{"profiler": "torch", "torch_profiler_dir": '
     '"./traces"}\' (start_profile/stop_profile; default: from VLLM_TORCH_PROFILER_DIR when set)',
+    "speculative_config": 'JSON object of vLLM\'s SpeculativeConfig, e.g. \'{"method": "ngram", '
+    '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": DIR, '
+    '"num_speculative_tokens": 4}\' (docs/speculative.md)',
 }
 
 #: the values of vLLM's options that mean what pagedlm does anyway
@@ -109,6 +113,7 @@ class EngineArgs:
     logits_processors: list[Any] | None = None
     enable_prompt_embeds: bool = False
     profiler_config: dict[str, Any] | ProfilerConfig | None = None
+    speculative_config: dict[str, Any] | None = None
     additional_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -164,6 +169,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
             additional_config=dict(self.additional_config),
+            speculative_config=SpeculativeConfig.from_any(self.speculative_config),
         )
 
     # -- command line -------------------------------------------------------------------------

@@ -201,6 +201,11 @@ class Plugins:
         regs = self.collect("pagedlm_register_quantization_methods", _quantization_method, "quantization method")
         return {str(key): reg.value for key, reg in regs.items()}
 
+    def spec_proposers(self) -> dict[str, str]:
+        """Speculative-decoding method name -> ``"module:Class"`` of its ``SpecProposer``."""
+        regs = self.collect("pagedlm_register_spec_proposers", _spec_proposer, "speculative decoding method")
+        return {str(key): reg.value for key, reg in regs.items()}
+
     def add_cli_commands(self, subparsers: argparse._SubParsersAction) -> None:
         self.hook.pagedlm_add_cli_commands(subparsers=subparsers)
 
@@ -227,6 +232,10 @@ def _platform(name: str, class_path: str, is_available: Callable[[], bool],
 
 def _quantization_method(name: str, class_path: str) -> tuple[str, str]:
     return str(name), str(class_path)
+
+
+def _spec_proposer(method: str, class_path: str) -> tuple[str, str]:
+    return str(method), str(class_path)
 
 
 def _op(op_name: str, platform_name: str, function_path: str) -> tuple[tuple[str, str], str]:

@@ -60,6 +60,9 @@ class SchedulerOutput:
     #: requests preempted this step: workers drop them from the batch (their KV blocks are freed)
     #: but keep their per-request state until they resume (resumed_from_preemption) or finish
     preempted_req_ids: set[str] = field(default_factory=set)
+    #: req_id -> the draft tokens scheduled after its newest token (speculative decoding; vLLM's
+    #: name): part of ``num_scheduled_tokens``, verified by the workers in this step
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -77,6 +80,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, tuple[list[list[int]], list[list[float]], list[int]]] = field(default_factory=dict)
     #: req_id -> same triple for prompt positions 1..P-1, sent once the prompt is done
     prompt_logprobs: dict[str, tuple[list[list[int]], list[list[float]], list[int]]] = field(default_factory=dict)
+    #: speculative decoding: per request (``req_ids`` order) the drafts for its next step; None when off
+    spec_token_ids: list[list[int]] | None = None
 
 
 @dataclass

@@ -40,6 +40,8 @@ from pagedlm.core.sched.output import (
     SchedulerOutput,
     SchedulerStats,
 )
+from pagedlm.core.spec_decode.config import SpeculativeConfig
+from pagedlm.core.spec_decode.scheduling import SpecDecodeScheduling
 
 logger = init_logger(__name__)
 
@@ -85,6 +87,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         async_scheduling: bool = False,
         pipeline_depth: int = 1,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self._no_block_ids: tuple[list[int], ...] = tuple([] for _ in kv_cache_manager.managers)
@@ -105,6 +108,8 @@ class Scheduler:
         #: a 1/pipeline_depth share of the running requests, so decodes split into batches that
         #: occupy every stage instead of one batch and idle stages.
         self.pipeline_depth = pipeline_depth
+        #: speculative decoding's part (spec_decode/scheduling.py); None when it is off
+        self.spec = SpecDecodeScheduling(speculative_config, max_model_len) if speculative_config else None
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -159,6 +164,8 @@ class Scheduler:
         allocate_slots = self.kv_cache_manager.allocate_slots
         no_block_ids = self._no_block_ids
         req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
+        spec = self.spec
+        scheduled_spec_tokens: dict[str, list[int]] = {}
         num_computed_col, new_token_ids_col = cached.num_computed_tokens, cached.new_token_ids
 
         # 1. running requests, oldest first.
@@ -174,6 +181,10 @@ class Scheduler:
             num_placeholders = request.num_output_placeholders
             num_computed = request.num_computed_tokens
             num_new_tokens = num_tokens + num_placeholders - num_computed
+            drafts = spec.drafts_to_schedule(request, num_new_tokens, len(running)) \
+                if spec is not None and request.spec_token_ids else None
+            if drafts:
+                num_new_tokens += len(drafts)
             if num_new_tokens > token_budget:
                 num_new_tokens = token_budget
             # NOTE: a running request has at least one token to compute (the rest of its prompt,
@@ -184,18 +195,21 @@ class Scheduler:
             if num_new_tokens <= 0 or (num_placeholders and (
                     request.needs_output_history or num_tokens + num_placeholders >= request.max_num_tokens)):
                 continue
-            new_blocks = allocate_slots(request, num_new_tokens)
+            num_slots = num_new_tokens if spec is None else spec.num_slots(num_computed, num_new_tokens)
+            new_blocks = allocate_slots(request, num_slots)
             while new_blocks is None:
                 victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
-                new_blocks = allocate_slots(request, num_new_tokens)
+                new_blocks = allocate_slots(request, num_slots)
             if new_blocks is None:
                 break
             request_id = request.request_id
             num_scheduled_tokens[request_id] = num_new_tokens
+            if drafts and num_new_tokens > 1:  # (the budget may have cut some drafts, or all)
+                scheduled_spec_tokens[request_id] = drafts[: num_new_tokens - 1]
             token_budget -= num_new_tokens
             if num_new_tokens == 1 and num_tokens > request.num_prompt_tokens:
                 num_decode_tokens += 1
@@ -232,7 +246,8 @@ class Scheduler:
                     break
                 num_new_tokens = token_budget
             new_blocks = allocate_slots(
-                request, num_new_tokens, new_computed_blocks=computed_blocks, num_new_computed_tokens=num_computed
+                request, num_new_tokens if spec is None else spec.num_slots(num_computed, num_new_tokens),
+                new_computed_blocks=computed_blocks, num_new_computed_tokens=num_computed
             )
             if new_blocks is None:
                 break
@@ -279,6 +294,7 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
+            scheduled_spec_decode_tokens=scheduled_spec_tokens,
         )
         self.finished_req_ids = set()
         self._update_stats(output, len(preempted), num_decode_tokens)
@@ -288,6 +304,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
@@ -301,9 +318,10 @@ class Scheduler:
         # case) appends it and checks its stop conditions inline, without building lists.
         outputs: list[EngineCoreOutput] = []
         all_logprobs, all_prompt_logprobs = runner_output.logprobs, runner_output.prompt_logprobs
+        spec_tokens, all_spec_token_ids = scheduler_output.scheduled_spec_decode_tokens, runner_output.spec_token_ids
         get_request = self.requests.get
         running_status = RequestStatus.RUNNING
-        for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+        for i, (req_id, token_ids) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
             request = get_request(req_id)
             if request is None:
                 continue  # finished or aborted while the step ran: its tokens are dropped
@@ -316,6 +334,10 @@ class Scheduler:
                 continue
             # NOTE: with async scheduling a request preempted while its token was in flight keeps
             # that token (drawn from the right context, and its generator has moved on).
+            if spec_tokens and req_id in spec_tokens:
+                self.spec.on_verified(request, len(spec_tokens[req_id]), len(token_ids))  # type: ignore[union-attr]
+            if all_spec_token_ids is not None:
+                request.spec_token_ids = all_spec_token_ids[i]
             prompt_logprobs = all_prompt_logprobs.get(req_id) if all_prompt_logprobs else None
             if len(token_ids) == 1:  # the common case: one token, no list to build
                 new_token_ids = token_ids
