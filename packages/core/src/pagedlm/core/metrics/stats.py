@@ -33,11 +33,17 @@ class EngineStatsSnapshot:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
     num_preemptions: int = 0
+    #: speculative decoding (spec_decode/metrics.py), totals; all 0 (and no positions) when off
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     @classmethod
     def from_engine_core(cls, core: EngineCore) -> EngineStatsSnapshot:
         sched = core.scheduler
         kv = sched.kv_cache_manager
+        spec = sched.spec.stats if sched.spec is not None else None
         return cls(
             num_running_reqs=len(sched.running),
             num_waiting_reqs=len(sched.waiting),
@@ -47,6 +53,10 @@ class EngineStatsSnapshot:
             prefix_cache_queries=kv.prefix_cache_stats.num_queries_tokens,
             prefix_cache_hits=kv.prefix_cache_stats.num_hit_tokens,
             num_preemptions=sched.num_preemptions_total,
+            **({} if spec is None else {
+                "spec_decode_num_drafts": spec.num_drafts, "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(spec.num_accepted_tokens_per_pos)}),
         )
 
 
