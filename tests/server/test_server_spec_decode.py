@@ -7,7 +7,6 @@ import json
 
 import openai
 import pytest
-
 from tests.server.server_harness import API_KEY
 from tests.server.test_server_metrics import samples, value
 

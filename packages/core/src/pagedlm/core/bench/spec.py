@@ -6,8 +6,9 @@ spans of the prompt, which n-gram drafts find. Two engines are built one after t
 same options, without and with ``--speculative-config`` (default: n-gram, k=4, lookups of 4):
 
 * single request, greedy: decode tokens/s (tokens after the first over the time from the first
-  token to the last), best of ``--num-iters`` runs, the two engines' runs interleaved; the outputs of both engines are compared (greedy
-  speculation is lossless: they must be identical) and the acceptance rate printed;
+  token to the last), best of ``--num-iters`` runs, the two engines' runs interleaved; the outputs
+  of both engines are compared (greedy speculation is lossless: they must be identical) and the
+  acceptance rate printed;
 * ``--batch-size`` requests at once (each renaming its own variable): output tokens/s over the
   whole batch, the throughput change a busy server would see.
 """

@@ -29,6 +29,7 @@ import torch
 
 from pagedlm.core.sample import build_sampling_metadata, compute_topk_logprobs, process_logits
 from pagedlm.core.sample.sampler import apply_min_p, apply_top_k_top_p, gumbel_max
+from pagedlm.core.sampling_params import SamplingParams
 
 _SAMPLING_EPS = 1e-5
 
@@ -39,14 +40,15 @@ LogprobsLists = tuple[list[list[int]], list[list[float]], list[int]]
 class VerifyRequest:
     """One sampling request of the step, as the verifier needs it."""
 
-    sampling_params: object
+    sampling_params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     draft_token_ids: Sequence[int]
     generator: torch.Generator | None
 
 
-def verify(logits: torch.Tensor, requests: Sequence[VerifyRequest]) -> tuple[list[list[int]], list[LogprobsLists | None]]:
+def verify(logits: torch.Tensor,
+           requests: Sequence[VerifyRequest]) -> tuple[list[list[int]], list[LogprobsLists | None]]:
     """Accepted drafts plus one token per request.
 
     Args:
@@ -67,7 +69,7 @@ def verify(logits: torch.Tensor, requests: Sequence[VerifyRequest]) -> tuple[lis
             prompts.append(req.prompt_token_ids)
             # NOTE: row j's context holds drafts 1..j as output (penalties, min_tokens see them)
             outputs.append(req.output_token_ids + list(req.draft_token_ids[:j]) if j else req.output_token_ids)
-    md = build_sampling_metadata(params, prompt_token_ids=prompts, output_token_ids=outputs,  # type: ignore[arg-type]
+    md = build_sampling_metadata(params, prompt_token_ids=prompts, output_token_ids=outputs,
                                  vocab_size=logits.shape[-1], device=device)
     processed = process_logits(logits, md)
     argmax = processed.argmax(dim=-1).tolist()
@@ -75,7 +77,7 @@ def verify(logits: torch.Tensor, requests: Sequence[VerifyRequest]) -> tuple[lis
     for rows in row_counts:
         starts.append(starts[-1] + rows)
     drafts_flat = [t for r in requests for t in r.draft_token_ids]
-    greedy = [float(getattr(r.sampling_params, "temperature")) < _SAMPLING_EPS for r in requests]
+    greedy = [float(r.sampling_params.temperature) < _SAMPLING_EPS for r in requests]
 
     probs = None
     if not all(greedy):
@@ -144,18 +146,18 @@ def verify(logits: torch.Tensor, requests: Sequence[VerifyRequest]) -> tuple[lis
 def _logprobs(logits: torch.Tensor, requests: Sequence[VerifyRequest], tokens: list[list[int]],
               starts: list[int]) -> list[LogprobsLists | None]:
     """Raw-distribution logprobs of every output token of the requests that asked for them."""
-    wanted = [i for i, r in enumerate(requests) if getattr(r.sampling_params, "logprobs") is not None]
+    wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
     result: list[LogprobsLists | None] = [None] * len(requests)
     if not wanted:
         return result
     rows = [starts[i] + j for i in wanted for j in range(len(tokens[i]))]
     targets = torch.tensor([t for i in wanted for t in tokens[i]], device=logits.device)
-    k = max(int(getattr(requests[i].sampling_params, "logprobs")) for i in wanted)
+    k = max(int(requests[i].sampling_params.logprobs) for i in wanted)
     raw = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)].float(), dim=-1)
     ids, lps, ranks = compute_topk_logprobs(raw, k, targets).tolists()
     pos = 0
     for i in wanted:
-        n, ki = len(tokens[i]), int(getattr(requests[i].sampling_params, "logprobs"))
+        n, ki = len(tokens[i]), int(requests[i].sampling_params.logprobs)
         result[i] = ([x[: ki + 1] for x in ids[pos : pos + n]], [x[: ki + 1] for x in lps[pos : pos + n]],
                      ranks[pos : pos + n])
         pos += n

@@ -40,7 +40,7 @@ class SpecDecodeRunner:
                            sched: SchedulerOutput, prompt_logprobs: dict) -> ModelRunnerOutput:
         """Verify the step's drafts, sample every sampling request's tokens and propose the next
         drafts. ``states`` are the step's requests (batch order), ``hidden_states`` ``[T, hidden]``."""
-        runner, batch = self.runner, self.runner.input_batch
+        runner = self.runner
         scheduled = sched.scheduled_spec_decode_tokens
         num_reqs = len(step.req_ids)
         sampled: list[list[int]] = [[] for _ in range(num_reqs)]
