@@ -7,8 +7,8 @@ import json
 
 import openai
 import pytest
-from tests.server.server_harness import API_KEY
-from tests.server.test_server_metrics import samples, value
+from server_harness import API_KEY
+from test_server_metrics import samples, value
 
 pytestmark = pytest.mark.timeout(300)
 

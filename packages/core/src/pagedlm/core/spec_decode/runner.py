@@ -4,7 +4,8 @@ Per step: the scheduled drafts are written into the runner's token table after t
 known tokens, so the step's flat inputs carry them like any token; after the forward pass the
 target's logits are taken at every draft position plus one per sampling request (the
 logits-index path), verified (``rejection_sampler.verify``), and the proposer drafts the next
-step's tokens. The step's result is on the host when this returns (no async scheduling with
+step's tokens. A step without any draft samples through the runner's own sampler, exactly as
+without speculation, and only proposes. The step's result is on the host when this returns (no async scheduling with
 speculation: ``spec_decode.config.check_speculative_config``).
 """
 
@@ -36,7 +37,13 @@ class SpecDecodeRunner:
             state = batch.requests[req_id]
             batch.token_ids[state.row, state.num_tokens : state.num_tokens + len(drafts)] = drafts
 
-    def sample_and_propose(self, step: StepInputs, states: list, hidden_states: torch.Tensor,
+    def propose(self, output: ModelRunnerOutput, step: StepInputs, states: list) -> ModelRunnerOutput:
+        """The next drafts for a step that had none (sampled as without speculation)."""
+        output.spec_token_ids = self._propose(step, states, output.sampled_token_ids,
+                                              np.zeros(len(step.req_ids), dtype=np.int64))
+        return output
+
+    def verify_and_propose(self, step: StepInputs, states: list, hidden_states: torch.Tensor,
                            sched: SchedulerOutput, prompt_logprobs: dict) -> ModelRunnerOutput:
         """Verify the step's drafts, sample every sampling request's tokens and propose the next
         drafts. ``states`` are the step's requests (batch order), ``hidden_states`` ``[T, hidden]``."""

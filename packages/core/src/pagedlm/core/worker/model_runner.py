@@ -301,12 +301,13 @@ class ModelRunner:
 
         states = [batch.requests[r] for r in step.req_ids]
         prompt_logprobs = self._prompt_logprobs(step, states, hidden_states)
-        if self.spec_decode is not None:
-            return _done(self.spec_decode.sample_and_propose(step, states, hidden_states, sched, prompt_logprobs),
-                         non_block)
+        spec = self.spec_decode
+        if spec is not None and sched.scheduled_spec_decode_tokens:
+            return _done(spec.verify_and_propose(step, states, hidden_states, sched, prompt_logprobs), non_block)
         if not len(step.sample_indices):
-            return _done(ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=[[] for _ in step.req_ids],
-                                           prompt_logprobs=prompt_logprobs), non_block)
+            output = ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=[[] for _ in step.req_ids],
+                                       prompt_logprobs=prompt_logprobs)
+            return _done(output if spec is None else spec.propose(output, step, states), non_block)
         sample_states = [states[i] for i in step.sample_indices]
         logits = self.compute_sample_logits(step, hidden_states)
         out = self.sampler(logits, self._sampling_metadata(sample_states, logits.shape[-1]))
@@ -315,6 +316,8 @@ class ModelRunner:
         pending = AsyncModelRunnerOutput(
             step.req_ids, prompt_logprobs, sample_indices=step.sample_indices, sample_states=sample_states,
             token_ids_host=token_ids_host, event=event, logprobs=out.logprobs_tensors)
+        if spec is not None:  # (a step without drafts samples as without speculation)
+            return _done(spec.propose(pending.result(), step, states), non_block)
         return pending if non_block else pending.result()
 
     def compute_sample_logits(self, step: StepInputs, hidden_states: torch.Tensor) -> torch.Tensor:
