@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import openai
 import pytest
@@ -27,6 +28,10 @@ def test_serve_with_speculation_exports_acceptance_counters(start_server, tiny_l
     accepted = value(snap, "pagedlm:spec_decode_num_accepted_tokens_total")
     per_pos = [value(snap, "pagedlm:spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) for p in range(3)]
     assert drafts > 0 and 0 < accepted <= draft_tokens and sum(per_pos) == accepted
+    deadline = time.monotonic() + 30  # the periodic stats log (--log-stats-interval 1) reports them too
+    while "SpecDecoding metrics:" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "SpecDecoding metrics: Mean acceptance length" in server.log()
 
 
 def test_bad_speculative_config_stops_the_server_naming_the_field(start_server, tiny_llama):
