@@ -40,6 +40,9 @@ TEST_DEPS = [
     "jsonschema",
     "pyyaml",
     "schemathesis",
+    # tests/core/test_spec_decode.py and tests/e2e/test_spec_decode.py: chi-square tests of the
+    # speculative sampler's distribution.
+    "scipy",
     # tests/distributed runs the Ray executor on a local Ray instance (pagedlm-core[ray]).
     "ray>=2.9",
     # tests/bench: the serve load generator and its fake server (aiohttp), --kv-timeline (matplotlib)

@@ -557,6 +557,8 @@ class VllmConfig(_Freezable):
     quant_config: Any = None
     #: multi-LoRA serving (``LoRAConfig``); None: off
     lora_config: LoRAConfig | None = None
+    #: speculative decoding (``pagedlm.core.spec_decode.SpeculativeConfig``); None: off
+    speculative_config: Any = None
     #: who drives the engine: "llm" (offline batches: throughput) or "server" (online: latency);
     #: platforms pick defaults by it (``Platform.default_max_num_batched_tokens``)
     usage_context: str = "llm"
@@ -607,6 +609,10 @@ class VllmConfig(_Freezable):
                         f"dtype={_dtype_name(mc.dtype)}; supported: {', '.join(_dtype_name(d) for d in supported)}")
         else:
             self.scheduler_config.finalize(self.scheduler_config.max_model_len)
+        if self.speculative_config is not None:
+            from pagedlm.core.spec_decode.config import check_speculative_config
+
+            check_speculative_config(self)
         self._resolve_async_scheduling(platform.supports_async_scheduling)
         if self.kv_transfer_config is not None:
             from pagedlm.core.distributed.kv_transfer.factory import check_kv_transfer_config

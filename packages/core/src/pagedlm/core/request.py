@@ -116,6 +116,9 @@ class Request:
         #: how many of ``all_token_ids`` the workers have been sent; the scheduler sends the rest
         #: with the request's next schedule (``CachedRequestData.new_token_ids``)
         self.num_tokens_sent = 0
+        #: speculative decoding: draft tokens proposed for the request's next step (never part of
+        #: ``all_token_ids``: only verified tokens are)
+        self.spec_token_ids: list[int] = []
         # Penalties and min_tokens read the whole output so far on the host: such a request
         # waits for its sampled token instead of running one step ahead of it.
         p = sampling_params

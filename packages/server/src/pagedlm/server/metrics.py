@@ -148,6 +148,7 @@ class PrometheusStatLogger(StatLoggerBase):
         self.model_name = model_name
         self.set_num_gpu_blocks(num_gpu_blocks)
         self._last = EngineStatsSnapshot()
+        self._spec: SpecDecodeCounters | None = None  # created by the first snapshot that has them
 
     def set_num_gpu_blocks(self, num_gpu_blocks: int) -> None:
         """The KV blocks the engine allocated: pagedlm's gauge, and a label of cache_config_info (an
@@ -181,6 +182,11 @@ class PrometheusStatLogger(StatLoggerBase):
                 delta = new - old if new >= old else new
                 if delta > 0:
                     c[counter].inc(delta)
+            if engine_stats.spec_decode_num_accepted_tokens_per_pos:
+                if self._spec is None:
+                    self._spec = SpecDecodeCounters(self.registry, self.prefix, self.labels,
+                                                    len(engine_stats.spec_decode_num_accepted_tokens_per_pos))
+                self._spec.record(engine_stats, last)
             self._last = engine_stats
             if engine_stats.max_lora:
                 self._record_lora(engine_stats)
@@ -232,3 +238,34 @@ class PrometheusStatLogger(StatLoggerBase):
             c[self.h_tpot].observe(done.mean_time_per_output_token)
             if done.max_tokens_param:
                 c[self.h_max_tokens].observe(done.max_tokens_param)
+
+
+class SpecDecodeCounters:
+    """vLLM's speculative-decoding counters (exported once the engine speculates): drafts, draft
+    tokens, accepted tokens, and accepted tokens per draft position (label ``position``)."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str, labels: dict[str, str], num_positions: int) -> None:
+        names = list(labels)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(prefix + name, doc, names + list(extra), registry=registry)
+
+        self.drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.").labels(**labels)
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.").labels(**labels)
+        self.accepted = counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.").labels(**labels)
+        per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                          ("position",))
+        self.per_pos = [per_pos.labels(**labels, position=str(pos)) for pos in range(num_positions)]
+
+    def record(self, new: EngineStatsSnapshot, old: EngineStatsSnapshot) -> None:
+        for child, now, before in ((self.drafts, new.spec_decode_num_drafts, old.spec_decode_num_drafts),
+                                   (self.draft_tokens, new.spec_decode_num_draft_tokens,
+                                    old.spec_decode_num_draft_tokens),
+                                   (self.accepted, new.spec_decode_num_accepted_tokens,
+                                    old.spec_decode_num_accepted_tokens)):
+            if now > before:
+                child.inc(now - before)
+        old_pos = old.spec_decode_num_accepted_tokens_per_pos or [0] * len(self.per_pos)
+        for child, now, before in zip(self.per_pos, new.spec_decode_num_accepted_tokens_per_pos, old_pos):
+            if now > before:
+                child.inc(now - before)

@@ -1,6 +1,6 @@
 """``pagedlm bench``: benchmarks that print a summary and save JSON (docs/benchmarks.md).
 
-Subcommands, one module each: ``throughput``, ``latency``, ``serve`` and ``prefix``. Importing this
+Subcommands, one module each: ``throughput``, ``latency``, ``serve``, ``prefix`` and ``spec``. Importing this
 package is cheap; each subcommand imports the engine only when it runs.
 """
 
@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import argparse
 
-SUBCOMMANDS = ("throughput", "latency", "serve", "prefix")
+SUBCOMMANDS = ("throughput", "latency", "serve", "prefix", "spec")
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``pagedlm bench <subcommand>`` on the top-level CLI's subparsers."""
-    from pagedlm.core.bench import latency, prefix, serve, throughput
+    from pagedlm.core.bench import latency, prefix, serve, spec, throughput
 
-    p = subparsers.add_parser("bench", help="benchmarks: throughput, latency, serve, prefix (print + save JSON)",
+    p = subparsers.add_parser("bench", help="benchmarks: throughput, latency, serve, prefix, spec (print + save JSON)",
                               description=__doc__)
     sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK")
-    for module in (throughput, latency, serve, prefix):
+    for module in (throughput, latency, serve, prefix, spec):
         module.add_parser(sub)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])

@@ -25,6 +25,7 @@ from pagedlm.core.config import (
 )
 from pagedlm.core.distributed.kv_transfer.config import KVTransferConfig
 from pagedlm.core.platforms import resolve_platform
+from pagedlm.core.spec_decode.config import SpeculativeConfig
 
 _HELP = {
     "model": "local HF model directory (config.json, *.safetensors, tokenizer.json) or a .gguf file; "
@@ -90,6 +91,9 @@ _HELP = {
     "(backend: auto, xgrammar or a plugin's; disable_any_whitespace, disable_additional_properties)",
     "reasoning_parser": "split a reasoning model's thinking from its answer (deepseek_r1, qwen3, or a plugin's); "
     "structured outputs then apply after the thinking",
+    "speculative_config": 'JSON object of vLLM\'s SpeculativeConfig, e.g. \'{"method": "ngram", '
+    '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": DIR, '
+    '"num_speculative_tokens": 4}\' (docs/speculative.md)',
 }
 
 #: the values of vLLM's options that mean what pagedlm does anyway
@@ -155,6 +159,7 @@ class EngineArgs:
     kv_offloading_backend: str = "native"
     structured_outputs_config: dict[str, Any] | StructuredOutputsConfig | None = None
     reasoning_parser: str = ""
+    speculative_config: dict[str, Any] | None = None
     additional_config: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -229,6 +234,7 @@ class EngineArgs:
                                    fully_sharded_loras=self.fully_sharded_loras) if self.enable_lora else None,
             additional_config=dict(self.additional_config),
             kv_transfer_config=self._kv_transfer_config(),
+            speculative_config=SpeculativeConfig.from_any(self.speculative_config),
         )
 
     def _kv_transfer_config(self) -> KVTransferConfig | None:

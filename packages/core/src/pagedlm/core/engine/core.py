@@ -73,6 +73,7 @@ class EngineCore:
                                     if vllm_config.kv_transfer_config is not None else "recompute"),
             encoder_cache=make_encoder_cache_manager(vllm_config),
             structured_output_manager=StructuredOutputManager(vllm_config),
+            speculative_config=vllm_config.speculative_config,
         )
         self._stats_listeners: list[StatsListener] = []
         #: ``pause_scheduler``: nothing new is scheduled (batches in flight still finish)

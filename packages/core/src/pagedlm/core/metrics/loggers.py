@@ -11,6 +11,7 @@ import time
 
 from pagedlm.core.logger import init_logger
 from pagedlm.core.metrics.stats import EngineStatsSnapshot, IterationStats
+from pagedlm.core.spec_decode.metrics import format_spec_decode_log
 
 logger = init_logger("pagedlm.core.metrics")
 
@@ -62,6 +63,14 @@ class LoggingStatLogger(StatLoggerBase):
                 stats.num_running_reqs, stats.num_waiting_reqs, 100.0 * stats.kv_cache_usage,
                 self._prompt_tokens / elapsed, self._generation_tokens / elapsed, hit_rate,
             )
+            if stats.spec_decode_num_accepted_tokens_per_pos:
+                old_pos = last.spec_decode_num_accepted_tokens_per_pos or [0] * len(
+                    stats.spec_decode_num_accepted_tokens_per_pos)
+                logger.info("%s", format_spec_decode_log(
+                    stats.spec_decode_num_drafts - last.spec_decode_num_drafts,
+                    stats.spec_decode_num_draft_tokens - last.spec_decode_num_draft_tokens,
+                    stats.spec_decode_num_accepted_tokens - last.spec_decode_num_accepted_tokens,
+                    [a - b for a, b in zip(stats.spec_decode_num_accepted_tokens_per_pos, old_pos, strict=True)]))
             self._last_logged = stats
         self._was_busy = busy
         self._last_time = now

@@ -160,6 +160,14 @@ class MetricsCollector(StatLoggerBase):
             Counter(PREFIX + "prompt_tokens_cached", dict(lbl), self.cached_prompt_tokens),
             Counter(PREFIX + "generation_tokens", dict(lbl), self.generation_tokens),
         ]
+        if e.spec_decode_num_accepted_tokens_per_pos:  # speculative decoding is on
+            out += [
+                Counter(PREFIX + "spec_decode_num_drafts", dict(lbl), e.spec_decode_num_drafts),
+                Counter(PREFIX + "spec_decode_num_draft_tokens", dict(lbl), e.spec_decode_num_draft_tokens),
+                Counter(PREFIX + "spec_decode_num_accepted_tokens", dict(lbl), e.spec_decode_num_accepted_tokens),
+                Vector(PREFIX + "spec_decode_num_accepted_tokens_per_pos", dict(lbl),
+                       list(e.spec_decode_num_accepted_tokens_per_pos)),
+            ]
         out += [Counter(PREFIX + "request_success", {**lbl, "finished_reason": reason}, count)
                 for reason, count in self.finished.items()]
         out += [dist.as_metric(PREFIX + name, dict(lbl)) for name, dist in self.histograms.items()]

@@ -39,6 +39,11 @@ class EngineStatsSnapshot:
     max_lora: int = 0
     external_prefix_cache_queries: int = 0  # prompt tokens looked up through the KV connector
     external_prefix_cache_hits: int = 0  # of those, tokens it loaded
+    #: speculative decoding (spec_decode/metrics.py), totals; all 0 (and no positions) when off
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     @classmethod
     def from_engine_core(cls, core: EngineCore) -> EngineStatsSnapshot:
@@ -48,6 +53,7 @@ class EngineStatsSnapshot:
         lora = {} if gate is None else {"running_lora_adapters": gate.adapter_counts(sched.running),
                                         "waiting_lora_adapters": gate.adapter_counts(sched.waiting),
                                         "max_lora": gate.max_loras}
+        spec = sched.spec.stats if sched.spec is not None else None
         return cls(
             **lora,
             num_running_reqs=len(sched.running),
@@ -59,6 +65,10 @@ class EngineStatsSnapshot:
             prefix_cache_hits=kv.prefix_cache_stats.num_hit_tokens,
             num_preemptions=sched.num_preemptions_total,
             **_external_prefix_cache(sched),
+            **({} if spec is None else {
+                "spec_decode_num_drafts": spec.num_drafts, "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(spec.num_accepted_tokens_per_pos)}),
         )
 
 

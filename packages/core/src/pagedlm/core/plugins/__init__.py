@@ -226,6 +226,11 @@ class Plugins:
         regs = self.collect("pagedlm_register_tool_parsers", _named_class, "tool parser")
         return {str(key): reg.value for key, reg in regs.items()}
 
+    def spec_proposers(self) -> dict[str, str]:
+        """Speculative-decoding method name -> ``"module:Class"`` of its ``SpecProposer``."""
+        regs = self.collect("pagedlm_register_spec_proposers", _named_class, "speculative decoding method")
+        return {str(key): reg.value for key, reg in regs.items()}
+
     def add_cli_commands(self, subparsers: argparse._SubParsersAction) -> None:
         self.hook.pagedlm_add_cli_commands(subparsers=subparsers)
 

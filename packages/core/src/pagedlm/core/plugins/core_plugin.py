@@ -1,5 +1,6 @@
 """pagedlm-core's own hook implementations: the built-in quantization methods, KV connectors, the
-xgrammar structured-output backend and the ``<think>`` reasoning parsers.
+xgrammar structured-output backend, the ``<think>`` reasoning parsers and the speculative-decoding
+proposers.
 
 Registered by :class:`pagedlm.core.plugins.Plugins` under the name ``"core"`` whatever the
 autoload settings, through the same hooks as any plugin (so a plugin can replace a built-in
@@ -42,3 +43,12 @@ def pagedlm_register_structured_output_backends(register: Callable[..., None]) -
 def pagedlm_register_reasoning_parsers(register: Callable[..., None]) -> None:
     register("deepseek_r1", "pagedlm.core.reasoning.think:DeepSeekR1ReasoningParser")
     register("qwen3", "pagedlm.core.reasoning.think:Qwen3ReasoningParser")
+
+
+_SPEC = "pagedlm.core.spec_decode"
+
+
+@hookimpl
+def pagedlm_register_spec_proposers(register: Callable[..., None]) -> None:
+    register("ngram", f"{_SPEC}.ngram_proposer:NgramProposer")
+    register("draft_model", f"{_SPEC}.draft_model_proposer:DraftModelProposer")

@@ -189,3 +189,17 @@ def pagedlm_register_tool_parsers(register: Callable[..., None]) -> None:
     ``tool_choice="auto"``. pagedlm-server registers ``hermes``, ``qwen3`` (hermes-style
     ``<tool_call>`` tags), ``llama3_json`` and ``mistral``. Returns nothing.
     """
+
+
+@hookspec
+def pagedlm_register_spec_proposers(register: Callable[..., None]) -> None:
+    """Register speculative-decoding methods by name.
+
+    Call ``register(method, class_path)``: ``method`` is what users pass as
+    ``speculative_config={"method": ...}`` (``"ngram"``, ``"draft_model"``); ``class_path`` is a
+    ``"module:Class"`` string naming a :class:`pagedlm.core.spec_decode.proposer.SpecProposer`
+    subclass, imported only when an engine speculates with it. The proposer runs in every model
+    runner and returns each request's draft tokens after every step; verification keeps the
+    target's distribution whatever it proposes. pagedlm-core registers its built-in methods
+    through this same hook. Returns nothing.
+    """

@@ -76,6 +76,9 @@ class SchedulerOutput:
     #: the requests that sample in this step under a grammar (structured_output/bitmask.py)
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: np.ndarray | None = None
+    #: req_id -> the draft tokens scheduled after its newest token (speculative decoding; vLLM's
+    #: name): part of ``num_scheduled_tokens``, verified by the workers in this step
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -95,6 +98,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[list[list[int]], list[list[float]], list[int]]] = field(default_factory=dict)
     #: what the worker's KV connector reports (``kv_transfer.base.KVConnectorOutput``), or None
     kv_connector_output: Any = None
+    #: speculative decoding: per request (``req_ids`` order) the drafts for its next step; None when off
+    spec_token_ids: list[list[int]] | None = None
 
 
 @dataclass

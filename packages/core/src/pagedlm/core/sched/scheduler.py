@@ -48,6 +48,8 @@ from pagedlm.core.sched.output import (
     SchedulerOutput,
     SchedulerStats,
 )
+from pagedlm.core.spec_decode.config import SpeculativeConfig
+from pagedlm.core.spec_decode.scheduling import SpecDecodeScheduling
 
 if TYPE_CHECKING:
     from pagedlm.core.structured_output.manager import StructuredOutputManager
@@ -104,6 +106,7 @@ class Scheduler:
         kv_load_failure_policy: str = "recompute",
         encoder_cache: EncoderCacheManager | None = None,
         structured_output_manager: StructuredOutputManager | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         #: holds requests with ``structured_outputs`` until their grammar is ready, fills each
@@ -142,6 +145,8 @@ class Scheduler:
                             if kv_connector is not None else None)
         #: multimodal models: the encoder outputs the workers hold and the budget to compute them
         self.encoder_cache = encoder_cache
+        #: speculative decoding's part (spec_decode/scheduling.py); None when it is off
+        self.spec = SpecDecodeScheduling(speculative_config, max_model_len) if speculative_config else None
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -228,6 +233,8 @@ class Scheduler:
         allocate_slots = self.kv_cache_manager.allocate_slots
         no_block_ids = self._no_block_ids
         req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
+        spec = self.spec
+        scheduled_spec_tokens: dict[str, list[int]] = {}
         num_computed_col, new_token_ids_col = cached.num_computed_tokens, cached.new_token_ids
         encoder = self.encoder_cache
         scheduled_encoder_inputs: dict[str, list[int]] = {}
@@ -247,6 +254,10 @@ class Scheduler:
             num_placeholders = request.num_output_placeholders
             num_computed = request.num_computed_tokens
             num_new_tokens = num_tokens + num_placeholders - num_computed
+            drafts = spec.drafts_to_schedule(request, num_new_tokens, len(running)) \
+                if spec is not None and request.spec_token_ids else None
+            if drafts:
+                num_new_tokens += len(drafts)
             if num_new_tokens > token_budget:
                 num_new_tokens = token_budget
             # NOTE: a running request has at least one token to compute (the rest of its prompt,
@@ -262,14 +273,15 @@ class Scheduler:
                 num_new_tokens, to_encode = encoder.plan(request, num_computed, num_new_tokens)
                 if num_new_tokens <= 0:
                     continue  # its next image does not fit the encoder budget this step
-            new_blocks = allocate_slots(request, num_new_tokens)
+            num_slots = num_new_tokens if spec is None else spec.num_slots(num_computed, num_new_tokens)
+            new_blocks = allocate_slots(request, num_slots)
             while new_blocks is None:
                 victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
-                new_blocks = allocate_slots(request, num_new_tokens)
+                new_blocks = allocate_slots(request, num_slots)
             if new_blocks is None:
                 break
             request_id = request.request_id
@@ -278,6 +290,8 @@ class Scheduler:
                 if to_encode:
                     scheduled_encoder_inputs[request_id] = to_encode
             num_scheduled_tokens[request_id] = num_new_tokens
+            if drafts and num_new_tokens > 1:  # (the budget may have cut some drafts, or all)
+                scheduled_spec_tokens[request_id] = drafts[: num_new_tokens - 1]
             token_budget -= num_new_tokens
             if num_new_tokens == 1 and num_tokens > request.num_prompt_tokens:
                 num_decode_tokens += 1
@@ -340,8 +354,9 @@ class Scheduler:
                                                          self.enable_chunked_prefill)
                 if num_new_tokens <= 0:
                     break  # its image does not fit the encoder budget this step
+            num_slots = num_new_tokens if spec is None else spec.num_slots(num_computed, num_new_tokens)
             new_blocks = allocate_slots(
-                request, num_external + num_new_tokens, new_computed_blocks=computed_blocks,
+                request, num_external + num_slots, new_computed_blocks=computed_blocks,
                 num_new_computed_tokens=num_computed if computed_blocks is not None else 0,
             )
             if new_blocks is None:
@@ -410,6 +425,7 @@ class Scheduler:
             preempted_req_ids={r.request_id for r in preempted},
             structured_output_request_ids=grammar_rows,
             grammar_bitmask=grammar_bitmask,
+            scheduled_spec_decode_tokens=scheduled_spec_tokens,
         )
         if encoder is not None:
             output.scheduled_encoder_inputs = scheduled_encoder_inputs
@@ -426,6 +442,7 @@ class Scheduler:
             self.encoder_cache.free_request(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
@@ -441,11 +458,12 @@ class Scheduler:
         if self.kv_transfer is not None:
             self._update_kv_transfer(scheduler_output, runner_output, outputs)
         all_logprobs, all_prompt_logprobs = runner_output.logprobs, runner_output.prompt_logprobs
+        spec_tokens, all_spec_token_ids = scheduler_output.scheduled_spec_decode_tokens, runner_output.spec_token_ids
         get_request = self.requests.get
         running_status = RequestStatus.RUNNING
         som = self.structured_output_manager
         grammar_active = som is not None and som.has_requests
-        for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+        for i, (req_id, token_ids) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
             request = get_request(req_id)
             if request is None:
                 continue  # finished or aborted while the step ran: its tokens are dropped
@@ -458,6 +476,10 @@ class Scheduler:
                 continue
             # NOTE: with async scheduling a request preempted while its token was in flight keeps
             # that token (drawn from the right context, and its generator has moved on).
+            if spec_tokens and req_id in spec_tokens:
+                self.spec.on_verified(request, len(spec_tokens[req_id]), len(token_ids))  # type: ignore[union-attr]
+            if all_spec_token_ids is not None:
+                request.spec_token_ids = all_spec_token_ids[i]
             prompt_logprobs = all_prompt_logprobs.get(req_id) if all_prompt_logprobs else None
             if len(token_ids) == 1:  # the common case: one token, no list to build
                 new_token_ids = token_ids

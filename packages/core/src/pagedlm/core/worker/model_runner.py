@@ -185,6 +185,12 @@ class ModelRunner:
         self.logitsprocs: BatchLogitsProcessors | None = BatchLogitsProcessors(procs) if procs else None
         if vllm_config.model_config.enable_prompt_embeds:
             self._check_prompt_embeds_support()
+        #: speculative decoding's part (spec_decode/runner.py); None when it is off
+        self.spec_decode = None
+        if vllm_config.speculative_config is not None:
+            from pagedlm.core.spec_decode.runner import SpecDecodeRunner
+
+            self.spec_decode = SpecDecodeRunner(self, vllm_config.speculative_config)
 
     def _check_prompt_embeds_support(self) -> None:
         # The class nearest in the MRO that replaces run_model or declares support decides.
@@ -217,6 +223,8 @@ class ModelRunner:
         # The groups of this rank's layers; the engine core replaces them with the groups of every
         # rank's layers (pipeline stages hold different layers) before sizing the cache.
         self.set_kv_cache_groups(make_kv_cache_groups(self.get_kv_cache_specs()))
+        if self.spec_decode is not None:
+            self.spec_decode.proposer.load_model()
 
     def get_kv_cache_specs(self) -> dict[str, AttentionSpec]:
         """Each attention layer's span, in layer order.
@@ -264,8 +272,9 @@ class ModelRunner:
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one block id costs on this rank: one block of every cache slot."""
-        return sum(int(np.prod(self._slot_shape(layers, 1))) * self.kv_cache_dtype.itemsize
-                   for layers in self._slot_layers().values())
+        draft = self.spec_decode.proposer.kv_cache_bytes_per_block() if self.spec_decode is not None else 0
+        return draft + sum(int(np.prod(self._slot_shape(layers, 1))) * self.kv_cache_dtype.itemsize
+                           for layers in self._slot_layers().values())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = []
@@ -275,6 +284,8 @@ class ModelRunner:
             for layer in layers:
                 layer.kv_cache = cache
             self.kv_caches.append(cache)
+        if self.spec_decode is not None:
+            self.spec_decode.proposer.initialize_kv_cache(num_blocks)
 
     # -- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -287,6 +298,8 @@ class ModelRunner:
         batch.update(sched)
         if self.lora_manager is not None:
             self.lora_manager.update_requests(sched)
+        if self.spec_decode is not None:
+            self.spec_decode.write_draft_tokens(sched)
         if self.logitsprocs is not None:
             self.logitsprocs.update(batch.requests, batch.membership_version)
         if sched.total_num_scheduled_tokens == 0:
@@ -312,9 +325,13 @@ class ModelRunner:
 
         states = [batch.requests[r] for r in step.req_ids]
         prompt_logprobs = self._prompt_logprobs(step, states, hidden_states)
+        spec = self.spec_decode
+        if spec is not None and sched.scheduled_spec_decode_tokens:
+            return _done(spec.verify_and_propose(step, states, hidden_states, sched, prompt_logprobs), non_block)
         if not len(step.sample_indices):
-            return _done(ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=[[] for _ in step.req_ids],
-                                           prompt_logprobs=prompt_logprobs), non_block)
+            output = ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=[[] for _ in step.req_ids],
+                                       prompt_logprobs=prompt_logprobs)
+            return _done(output if spec is None else spec.propose(output, step, states), non_block)
         sample_states = [states[i] for i in step.sample_indices]
         logits = self.compute_sample_logits(step, hidden_states)
         if sched.grammar_bitmask is not None:
@@ -326,6 +343,8 @@ class ModelRunner:
         pending = AsyncModelRunnerOutput(
             step.req_ids, prompt_logprobs, sample_indices=step.sample_indices, sample_states=sample_states,
             token_ids_host=token_ids_host, event=event, logprobs=out.logprobs_tensors)
+        if spec is not None:  # (a step without drafts samples as without speculation)
+            return _done(spec.propose(pending.result(), step, states), non_block)
         return pending if non_block else pending.result()
 
     def compute_sample_logits(self, step: StepInputs, hidden_states: torch.Tensor) -> torch.Tensor:
