@@ -75,6 +75,7 @@ class FakeEngine:
         self.num_gpu_blocks = 8
         self.latest_stats = None
         self.aborted: list[str] = []
+        self.scheduling_policy = "fcfs"
 
     def tokenize(self, prompt, *, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in prompt]
@@ -84,7 +85,7 @@ class FakeEngine:
             raise ValueError(f"prompt + max_tokens exceeds max_model_len={self.max_model_len}")
 
     async def generate(self, prompt, sampling_params, request_id, *,
-                       add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+                       add_special_tokens: bool = True, priority: int = 0) -> AsyncIterator[RequestOutput]:
         token_ids = prompt["prompt_token_ids"]
         yield RequestOutput(request_id=request_id, prompt=prompt["prompt"], prompt_token_ids=token_ids,
                             prompt_logprobs=None, finished=True,

@@ -419,8 +419,15 @@ class SchedulerConfig(_Freezable):
     #: a streamed request gets an output once at least this many new tokens collected (and on
     #: its first token, and when it finishes); vLLM's ``--stream-interval``
     stream_interval: int = 1
+    #: the order of waiting (and preempted) requests: "fcfs" or "priority" (by each request's
+    #: ``priority``, lower first, ties by arrival); vLLM's ``--scheduling-policy``
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        from pagedlm.core.sched.request_queue import SCHEDULING_POLICIES
+
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={self.policy!r} is not one of {', '.join(SCHEDULING_POLICIES)}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int) \

@@ -52,6 +52,8 @@ class EngineCoreRequest:
     #: ``[len(prompt_token_ids), hidden]`` CPU tensor in the model dtype when the prompt is given
     #: as embeddings (``enable_prompt_embeds``); ``prompt_token_ids`` are placeholders then
     prompt_embeds: Any = None
+    #: scheduling priority under ``scheduling_policy="priority"``: lower runs first (vLLM's)
+    priority: int = 0
 
 
 class Request:
@@ -70,8 +72,10 @@ class Request:
         arrival_time: float | None = None,
         max_tokens: int | None = None,
         prompt_embeds: Any = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.priority = priority
         self.prompt_embeds = prompt_embeds
         #: what the prefix-cache hash chain starts from: None (the root) for token ids; for a
         #: prompt given as embeddings, a digest of them (its placeholder ids say nothing)
@@ -114,7 +118,7 @@ class Request:
         if max_tokens is None:
             max_tokens = max_model_len - len(req.prompt_token_ids)
         return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.arrival_time, max_tokens,
-                   prompt_embeds=req.prompt_embeds)
+                   prompt_embeds=req.prompt_embeds, priority=req.priority)
 
     @property
     def num_tokens(self) -> int:

@@ -30,7 +30,7 @@ MAX_LOGPROBS = 20
 
 # Integer fields (or lists of integers): JSON Schema, and so the schema we publish, counts 2.0
 # as an integer, so 2.0 is accepted there as 2 (2.5 and "2" are still refused).
-_INT_FIELDS = frozenset({"n", "seed", "top_k", "min_tokens", "max_tokens", "logprobs", "best_of",
+_INT_FIELDS = frozenset({"n", "seed", "priority", "top_k", "min_tokens", "max_tokens", "logprobs", "best_of",
                          "max_completion_tokens", "top_logprobs", "stop_token_ids", "prompt", "tokens",
                          "prompt_logprobs", "truncate_prompt_tokens"})
 
@@ -110,6 +110,9 @@ class SamplingFields(OpenAIModel):
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, description="keep at most this many prompt tokens (-1: max_model_len - 1)")
     use_beam_search: bool | None = Field(None, description="vLLM's beam search: not supported (must be false)")
+    priority: int | None = Field(
+        None, ge=INT64_MIN, le=INT64_MAX,
+        description="vLLM's scheduling priority (lower first); nonzero needs --scheduling-policy priority")
     return_tokens_as_token_ids: bool | None = Field(
         None, description="write the tokens of logprobs as 'token_id:<id>' (for tokens that are not valid text alone)")
     truncation_side: Literal["left", "right"] | None = Field(

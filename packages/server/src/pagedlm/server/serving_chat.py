@@ -31,6 +31,7 @@ from pagedlm.server.serving_common import (
     off_loop,
     prompt_logprobs_body,
     random_id,
+    request_priority,
     sse,
     sse_error,
     token_text,
@@ -164,8 +165,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     stream = bool(req.stream)
     check_sequences(state, 1, params.n)
     text, token_ids = await chat_prompt(state, req, req.messages, params)
+    priority = request_priority(state, req)
     request_id = random_id("chatcmpl")
-    gen = state.engine.generate({"prompt": text, "prompt_token_ids": token_ids}, params, request_id)
+    gen = state.engine.generate({"prompt": text, "prompt_token_ids": token_ids}, params, request_id,
+                                priority=priority)
     builder = _ChatBuilder(state, request_id, int(time.time()), num_logprobs, token_ids,
                            return_ids=bool(req.return_token_ids), prompt_logprobs=req.prompt_logprobs is not None,
                            echo=echo_text(req, req.messages), as_ids=bool(req.return_tokens_as_token_ids))

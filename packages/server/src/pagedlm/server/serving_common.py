@@ -226,6 +226,18 @@ def make_sampling_params(req: SamplingFields, *, max_tokens: int | None, logprob
         raise bad_request(e) from None
 
 
+def request_priority(state: ServerState, req: SamplingFields) -> int:
+    """The request's ``priority`` (0 when left out); nonzero under fcfs is a 400, as in vLLM."""
+    from pagedlm.core.engine.processor import check_priority
+
+    priority = req.priority or 0
+    try:
+        check_priority(priority, state.engine.scheduling_policy)
+    except ValueError as e:
+        raise APIError(str(e), param="priority") from None
+    return priority
+
+
 def bad_request(e: ValueError, *, prompt_param: str = "prompt") -> APIError:
     message = str(e)
     param = param_of_message(message)

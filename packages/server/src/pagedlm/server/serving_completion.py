@@ -36,6 +36,7 @@ from pagedlm.server.serving_common import (
     off_loop,
     prompt_logprobs_body,
     random_id,
+    request_priority,
     sse,
     sse_error,
     token_text,
@@ -132,10 +133,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         if isinstance(text, str):
             check_text_length(state, len(text), _where(req, i))
     prompts = await off_loop(_prepare, state, req, params, raw_prompts)
+    priority = request_priority(state, req)
     request_id = random_id("cmpl")
     created = int(time.time())
     gens = [
-        state.engine.generate({"prompt": p.text, "prompt_token_ids": p.token_ids}, params, f"{request_id}-{i}")
+        state.engine.generate({"prompt": p.text, "prompt_token_ids": p.token_ids}, params, f"{request_id}-{i}",
+                              priority=priority)
         for i, p in enumerate(prompts)
     ]
     builder = _Builder(state, req, prompts, n, echo, request_id, created, num_logprobs)

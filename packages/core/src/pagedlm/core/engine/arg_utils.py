@@ -41,6 +41,8 @@ _HELP = {
     "gains from it, e.g. CUDA, with one process)",
     "stream_interval": "streamed outputs carry at least this many new tokens (the first token and the last "
     "output are sent at once); larger values cost less host time per token (vLLM's --stream-interval)",
+    "scheduling_policy": "fcfs (first come, first served) or priority (by each request's priority, lower "
+    "first, ties by arrival; preemption evicts the lowest priority first)",
     "tensor_parallel_size": "ranks per tensor-parallel group",
     "pipeline_parallel_size": "pipeline stages",
     "data_parallel_size": "engine replicas",
@@ -89,6 +91,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     async_scheduling: bool | None = None
     stream_interval: int = 1
+    scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -158,6 +161,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 async_scheduling=self.async_scheduling,
                 stream_interval=self.stream_interval,
+                policy=self.scheduling_policy,
             ),
             load_config=LoadConfig(load_format=self.load_format),
             device_config=DeviceConfig(device=self.device),

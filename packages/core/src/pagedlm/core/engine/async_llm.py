@@ -134,6 +134,10 @@ class AsyncLLM:
         return self.processor.vocab_size
 
     @property
+    def scheduling_policy(self) -> str:
+        return self.vllm_config.scheduler_config.policy
+
+    @property
     def num_gpu_blocks(self) -> int:
         """KV-cache blocks the engine core allocated (the smallest replica's with data parallelism)."""
         return self.engine_core.num_gpu_blocks
@@ -180,6 +184,7 @@ class AsyncLLM:
         request_id: str,
         *,
         add_special_tokens: bool = True,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield ``RequestOutput`` s of one request until it is finished.
 
@@ -193,7 +198,7 @@ class AsyncLLM:
             raise ValueError(f"request_id={request_id!r} is already in the engine")
         arrival = time.monotonic()
         core_request, text = self.processor.process(request_id, prompt, sampling_params,
-                                                    add_special_tokens=add_special_tokens)
+                                                    add_special_tokens=add_special_tokens, priority=priority)
         while self._paused:  # validated, and held back until resume_generation
             await self._resume_event().wait()
             self._ensure_running()

@@ -65,6 +65,7 @@ class EngineCore:
             enable_chunked_prefill=sc.enable_chunked_prefill,
             async_scheduling=bool(sc.async_scheduling),
             pipeline_depth=pipeline_depth,
+            policy=sc.policy,
         )
         self._stats_listeners: list[StatsListener] = []
         #: ``pause_scheduler``: nothing new is scheduled (batches in flight still finish)

@@ -42,7 +42,7 @@ def fan_out(core_request: EngineCoreRequest) -> list[EngineCoreRequest]:
         children.append(EngineCoreRequest(
             request_id=f"{i}_{core_request.request_id}", prompt_token_ids=core_request.prompt_token_ids,
             sampling_params=child_params, arrival_time=core_request.arrival_time,
-            prompt_embeds=core_request.prompt_embeds,
+            prompt_embeds=core_request.prompt_embeds, priority=core_request.priority,
         ))
     return children
 
@@ -91,12 +91,13 @@ class LLMEngine:
         return self.tokenizer
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
-                    arrival_time: float | None = None, add_special_tokens: bool = True) -> None:
+                    arrival_time: float | None = None, add_special_tokens: bool = True,
+                    priority: int = 0) -> None:
         """Validate and queue a request; raises ValueError for bad input (nothing is queued)."""
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id={request_id!r} is already in the engine")
         core_request, text = self.processor.process(request_id, prompt, params, arrival_time=arrival_time,
-                                                    add_special_tokens=add_special_tokens)
+                                                    add_special_tokens=add_special_tokens, priority=priority)
         self.add_processed_request(core_request, text)
 
     def add_processed_request(self, core_request: EngineCoreRequest, text: str | None) -> None:

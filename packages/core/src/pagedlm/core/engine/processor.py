@@ -16,10 +16,21 @@ from pagedlm.core.text import utf8_problem
 PromptType = str | Mapping[str, Any]
 
 
+def check_priority(priority: object, policy: str) -> None:
+    """A request's ``priority``: an integer, and nonzero only under the priority policy (as vLLM)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority={priority!r} must be an integer (lower values are scheduled first)")
+    if priority != 0 and policy != "priority":
+        raise ValueError(f"priority={priority} was given but priority scheduling is not enabled "
+                         f"(scheduling_policy={policy!r}); start the engine with scheduling_policy='priority' "
+                         "(--scheduling-policy priority) or leave priority at 0")
+
+
 class Processor:
     def __init__(self, vllm_config: VllmConfig, tokenizer: Any | None) -> None:
         self.model_config = vllm_config.model_config
         self.max_model_len = vllm_config.max_model_len
+        self.scheduling_policy = vllm_config.scheduler_config.policy
         self.vocab_size = self.model_config.vocab_size
         self.tokenizer = tokenizer
         self.eos_token_ids = set(self.model_config.eos_token_ids)
@@ -71,9 +82,11 @@ class Processor:
         *,
         arrival_time: float | None = None,
         add_special_tokens: bool = True,
+        priority: int = 0,
     ) -> tuple[EngineCoreRequest, str | None]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        check_priority(priority, self.scheduling_policy)
         embeds = None
         if isinstance(prompt, Mapping) and "prompt_embeds" in prompt:
             embeds = self._prompt_embeds(prompt, params)
@@ -96,6 +109,7 @@ class Processor:
             sampling_params=params,
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             prompt_embeds=embeds,
+            priority=priority,
         )
         return request, text
 

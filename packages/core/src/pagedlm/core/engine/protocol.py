@@ -46,8 +46,12 @@ class EngineClient(Protocol):
 
     # -- requests --------------------------------------------------------------------------------
     def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
-                 add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+                 add_special_tokens: bool = True, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """The request's outputs until it finishes; leaving early aborts it."""
+
+    @property
+    def scheduling_policy(self) -> str:
+        """"fcfs" or "priority": a nonzero request ``priority`` needs "priority"."""
 
     def abort(self, request_id: str) -> None:
         """Stop a request now (synchronous: callable from ``finally`` blocks)."""

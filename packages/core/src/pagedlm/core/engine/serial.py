@@ -7,7 +7,7 @@ build, cannot run code when decoded, and its layout is spelled out here:
   front end -> core (``InputKind``)
     HELLO     None                                   handshake: proves the input pipe is connected
     ADD       [request_id, prompt_token_ids, arrival_time, [sampling_params fields...],
-               prompt_embeds as [dtype name, shape, raw bytes] or None]
+               prompt_embeds as [dtype name, shape, raw bytes] or None, priority]
     ABORT     [request_id, ...]                      engine (child) request ids
     SHUTDOWN  None                                   finish the loop, release the device, exit 0
     UTILITY   [call_id, EngineCore method, [args...]]  between steps (pause, profile, collective_rpc)
@@ -116,15 +116,16 @@ def _params_from_wire(values: list[Any]) -> SamplingParams:
 
 def encode_add(request: EngineCoreRequest) -> bytes:
     payload = [request.request_id, list(request.prompt_token_ids), request.arrival_time,
-               _params_to_wire(request.sampling_params), _tensor_to_wire(request.prompt_embeds)]
+               _params_to_wire(request.sampling_params), _tensor_to_wire(request.prompt_embeds),
+               request.priority]
     return encode(InputKind.ADD, payload)
 
 
 def request_from_wire(payload: list[Any]) -> EngineCoreRequest:
-    request_id, prompt_token_ids, arrival_time, params, embeds = payload
+    request_id, prompt_token_ids, arrival_time, params, embeds, priority = payload
     return EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                              sampling_params=_params_from_wire(params), arrival_time=arrival_time,
-                             prompt_embeds=_tensor_from_wire(embeds))
+                             prompt_embeds=_tensor_from_wire(embeds), priority=priority)
 
 
 def _tensor_to_wire(tensor: Any) -> list[Any] | None:

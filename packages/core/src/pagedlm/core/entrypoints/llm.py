@@ -77,13 +77,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of ``prompts``.
 
         A prompt is a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}`` or, with
         ``LLM(enable_prompt_embeds=True)``, ``{"prompt_embeds": tensor [num_tokens, hidden]}``. All prompts
         are validated before any is queued, so one bad prompt raises ``ValueError`` and leaves the
-        engine untouched.
+        engine untouched. ``priority`` (one per prompt, with ``scheduling_policy="priority"``): lower
+        values are scheduled first.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -99,7 +101,10 @@ class LLM:
                     f"sampling_params has {len(params_list)} entries but there are {len(prompts)} prompts; "
                     "pass one SamplingParams or one per prompt"
                 )
-        return self._run(prompts, params_list, use_tqdm=use_tqdm)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries but there are {len(prompts)} prompts; "
+                             "pass one priority per prompt")
+        return self._run(prompts, params_list, use_tqdm=use_tqdm, priority=priority)
 
     def chat(
         self,
@@ -179,13 +184,15 @@ class LLM:
             engine.abort_request([r for r in ids if r not in done])
 
     def _run(
-        self, prompts: list[PromptType], params_list: list[SamplingParams], *, use_tqdm: bool
+        self, prompts: list[PromptType], params_list: list[SamplingParams], *, use_tqdm: bool,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         engine = self.llm_engine
+        priorities = priority if priority is not None else [0] * len(prompts)
         # Validate everything first: a bad prompt must not leave half a batch queued.
         processed = [
-            engine.processor.process(str(next(self._request_counter)), prompt, params)
-            for prompt, params in zip(prompts, params_list)
+            engine.processor.process(str(next(self._request_counter)), prompt, params, priority=p)
+            for prompt, params, p in zip(prompts, params_list, priorities)
         ]
         for core_request, _ in processed:
             # Offline generation returns finished outputs only: no per-step RequestOutput copies.

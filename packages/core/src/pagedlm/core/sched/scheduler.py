@@ -11,6 +11,10 @@ Order of a step:
   2. waiting requests, FCFS, while budget, ``max_num_seqs`` and blocks allow (none are
      admitted in a step that had to preempt).
 
+``scheduling_policy="priority"`` orders both by ``(priority, arrival_time)`` instead (the waiting
+queue is a heap and the running list is sorted each step, so the request preempted is the one of
+the lowest priority): see sched/request_queue.py.
+
 With ``async_scheduling`` the engine schedules step N+1 before step N's sampled tokens are
 back: every request that samples in a step gets an output *placeholder*, which the next step
 computes like a known token (the model runner feeds the sampled id on the device).
@@ -27,7 +31,6 @@ tokens that way; preempted requests are named so that workers drop them from the
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Iterable
 
 from pagedlm.core.kv_cache import KVCacheManager
@@ -40,6 +43,7 @@ from pagedlm.core.sched.output import (
     SchedulerOutput,
     SchedulerStats,
 )
+from pagedlm.core.sched.request_queue import create_request_queue, priority_order
 
 logger = init_logger(__name__)
 
@@ -85,6 +89,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         async_scheduling: bool = False,
         pipeline_depth: int = 1,
+        policy: str = "fcfs",
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self._no_block_ids: tuple[list[int], ...] = tuple([] for _ in kv_cache_manager.managers)
@@ -94,7 +99,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        #: "fcfs" or "priority" (vLLM's SchedulerConfig.policy)
+        self.policy = policy
+        self.waiting = create_request_queue(policy)
         self.running: list[Request] = []
         # Finished since the last schedule(): the workers must drop them.
         self.finished_req_ids: set[str] = set()
@@ -161,8 +168,10 @@ class Scheduler:
         req_ids, new_block_ids = cached.req_ids, cached.new_block_ids
         num_computed_col, new_token_ids_col = cached.num_computed_tokens, cached.new_token_ids
 
-        # 1. running requests, oldest first.
+        # 1. running requests, oldest first (by priority under the priority policy).
         running = self.running
+        if self.policy == "priority":
+            running.sort(key=priority_order)
         index = 0
         num_running_scheduled = 0
         cap = -(-len(running) // self.pipeline_depth)
@@ -220,7 +229,7 @@ class Scheduler:
         cached.resumed_from_preemption = [False] * num_cached_running
         cached.token_ids = [None] * num_cached_running
 
-        # 2. waiting requests, FCFS.
+        # 2. waiting requests, in the queue's order.
         while not preempted and self.waiting and token_budget > 0 and len(running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.num_output_placeholders:
