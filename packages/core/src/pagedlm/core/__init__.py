@@ -21,6 +21,11 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "VllmConfig",
+    "PoolingParams",
+    "PoolingRequestOutput",
+    "EmbeddingRequestOutput",
+    "ScoringRequestOutput",
+    "BeamSearchParams",
 ]
 
 if TYPE_CHECKING:
@@ -30,7 +35,16 @@ if TYPE_CHECKING:
     from pagedlm.core.engine.llm_engine import LLMEngine
     from pagedlm.core.engine.protocol import EngineClient
     from pagedlm.core.entrypoints.llm import LLM
-    from pagedlm.core.outputs import CompletionOutput, Logprob, RequestOutput
+    from pagedlm.core.beam_search import BeamSearchParams
+    from pagedlm.core.outputs import (
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        PoolingRequestOutput,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
+    from pagedlm.core.pooling_params import PoolingParams
     from pagedlm.core.sampling_params import SamplingParams
 
 _LAZY = {
@@ -45,6 +59,11 @@ _LAZY = {
     "RequestOutput": "pagedlm.core.outputs",
     "CompletionOutput": "pagedlm.core.outputs",
     "Logprob": "pagedlm.core.outputs",
+    "PoolingParams": "pagedlm.core.pooling_params",
+    "PoolingRequestOutput": "pagedlm.core.outputs",
+    "EmbeddingRequestOutput": "pagedlm.core.outputs",
+    "ScoringRequestOutput": "pagedlm.core.outputs",
+    "BeamSearchParams": "pagedlm.core.beam_search",
 }
 
 

@@ -64,6 +64,11 @@ _HELP = {
     "config_format": "vLLM's option: 'auto' or 'hf' (config.json, or a GGUF file's metadata)",
     "logits_processors": "custom logits processors, 'package.module:Class' names of vLLM-style "
     "LogitsProcessor subclasses (pagedlm.core.v1.sample.logits_processor)",
+    "runner": "generate, pooling (an embedding model: LLM.embed, /v1/embeddings) or auto",
+    "convert": "embed: run a generative checkpoint as an embedding model (runner pooling); auto or none",
+    "task": "vLLM's older option: embed (= --runner pooling) or generate",
+    "pooler_config": 'JSON object of vLLM\'s PoolerConfig, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
+    "(default: the checkpoint's sentence-transformers config, else LAST and normalize)",
     "enable_prompt_embeds": "accept {'prompt_embeds': tensor} prompts (embeddings instead of token ids)",
     "profiler_config": 'JSON object of vLLM\'s ProfilerConfig, e.g. \'{"profiler": "torch", "torch_profiler_dir": '
     '"./traces"}\' (start_profile/stop_profile; default: from VLLM_TORCH_PROFILER_DIR when set)',
@@ -111,6 +116,10 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     logits_processors: list[Any] | None = None
     enable_prompt_embeds: bool = False
+    runner: str = "auto"
+    convert: str = "auto"
+    task: str = "auto"
+    pooler_config: dict[str, Any] | None = None
     profiler_config: dict[str, Any] | ProfilerConfig | None = None
     additional_config: dict[str, Any] = field(default_factory=dict)
 
@@ -139,6 +148,10 @@ class EngineArgs:
                 quantization=self.quantization,
                 logits_processors=self.logits_processors,
                 enable_prompt_embeds=self.enable_prompt_embeds,
+                runner=self.runner,
+                convert=self.convert,
+                task=self.task,
+                pooler_config=self.pooler_config,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,

@@ -68,7 +68,8 @@ class LLMEngine:
             self.engine_core = InprocClient(vllm_config)
         self.processor = Processor(vllm_config, self.tokenizer)
         self.output_processor = OutputProcessor(
-            self.tokenizer, stream_interval=vllm_config.scheduler_config.stream_interval)
+            self.tokenizer, stream_interval=vllm_config.scheduler_config.stream_interval,
+            pooler_normalize=mc.pooler_normalize)
         #: request statistics for get_metrics (per output of every step: off unless asked for)
         self._tracker = RequestStatsTracker() if log_stats else None
         self._collector = MetricsCollector(vllm_config.model_config.name, vllm_config.max_model_len)
@@ -100,14 +101,16 @@ class LLMEngine:
                                                     add_special_tokens=add_special_tokens, priority=priority)
         self.add_processed_request(core_request, text)
 
-    def add_processed_request(self, core_request: EngineCoreRequest, text: str | None) -> None:
-        """Queue a request that ``self.processor.process`` already validated."""
+    def add_processed_request(self, core_request: EngineCoreRequest, text: str | None,
+                              pooling_params: Any = None) -> None:
+        """Queue a request that ``self.processor.process`` already validated (a pooling request
+        with its ``PoolingParams``)."""
         request_id = core_request.request_id
         params = core_request.sampling_params
         children = fan_out(core_request)
         self.output_processor.add_request(
             request_id, text, output_prompt_ids(core_request), params,
-            [c.request_id for c in children], [c.sampling_params for c in children],
+            [c.request_id for c in children], [c.sampling_params for c in children], pooling_params=pooling_params,
         )
         if self._tracker is not None:
             self._tracker.add(request_id, [c.request_id for c in children], len(core_request.prompt_token_ids),
@@ -134,7 +137,7 @@ class LLMEngine:
                 self._tracker.finish_children(to_abort, "stop", now, stats)
             for out in request_outputs:
                 if out.finished:
-                    reason = "error" if out.error else (out.outputs[0].finish_reason or "stop")
+                    reason = finish_reason_of(out)
                     self._tracker.finish(out.request_id, reason, now, stats)
             self._collector.record(None, stats)
         return request_outputs
@@ -175,6 +178,13 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+
+
+def finish_reason_of(out: Any) -> str:
+    """A finished output's reason for the request statistics (a pooling output just finished)."""
+    if not isinstance(out, RequestOutput):
+        return "stop"
+    return "error" if out.error else (out.outputs[0].finish_reason or "stop")
 
 
 def _apply_to_model(worker: Any, func: Callable[[Any], Any]) -> Any:

@@ -11,7 +11,8 @@ from pagedlm.core.engine.arg_utils import EngineArgs
 from pagedlm.core.engine.llm_engine import LLMEngine
 from pagedlm.core.engine.processor import PromptType
 from pagedlm.core.metrics.reader import Metric
-from pagedlm.core.outputs import RequestOutput
+from pagedlm.core.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringRequestOutput
+from pagedlm.core.pooling_params import PoolingParams, check_runner
 from pagedlm.core.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -106,6 +107,32 @@ class LLM:
                              "pass one priority per prompt")
         return self._run(prompts, params_list, use_tqdm=use_tqdm, priority=priority)
 
+    # -- pooling models (runner="pooling") ----------------------------------------------------
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: bool = True,
+               pooling_task: str | None = None, priority: list[int] | None = None) -> list[PoolingRequestOutput]:
+        """A pooling model's pooled vector per prompt (``outputs.data``, a float32 tensor), in order;
+        ``pooling_task`` "embed" (normalized as the model says) or "encode" (raw)."""
+        from pagedlm.core.entrypoints import pooling
+
+        return pooling.encode(self, prompts, pooling_params, use_tqdm=use_tqdm, pooling_task=pooling_task,
+                              priority=priority)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: bool = True,
+              priority: list[int] | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``outputs.embedding``, a list of floats), in order."""
+        from pagedlm.core.entrypoints import pooling
+
+        return pooling.embed(self, prompts, pooling_params, use_tqdm=use_tqdm, priority=priority)
+
+    def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType], *,
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """Cosine similarity of the embeddings of each pair (one ``data_1`` against every ``data_2``)."""
+        from pagedlm.core.entrypoints import pooling
+
+        return pooling.score(self, data_1, data_2, use_tqdm=use_tqdm)
+
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
@@ -188,6 +215,7 @@ class LLM:
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         engine = self.llm_engine
+        check_runner(engine.vllm_config.model_config, "generate", "LLM.generate")
         priorities = priority if priority is not None else [0] * len(prompts)
         # Validate everything first: a bad prompt must not leave half a batch queued.
         processed = [

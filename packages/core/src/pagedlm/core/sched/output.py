@@ -77,6 +77,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, tuple[list[list[int]], list[list[float]], list[int]]] = field(default_factory=dict)
     #: req_id -> same triple for prompt positions 1..P-1, sent once the prompt is done
     prompt_logprobs: dict[str, tuple[list[list[int]], list[list[float]], list[int]]] = field(default_factory=dict)
+    #: pooling models: req_id -> the prompt's raw pooled vector, in the step its prompt ends
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass

@@ -53,13 +53,14 @@ class EngineCoreOutput:
 
     __slots__ = (
         "request_id", "new_token_ids", "finish_reason", "stop_reason", "new_logprobs",
-        "new_prompt_logprobs", "num_cached_tokens", "error", "timing", "num_preemptions",
+        "new_prompt_logprobs", "num_cached_tokens", "error", "timing", "num_preemptions", "pooling_output",
     )
 
     def __init__(self, request_id: str, new_token_ids: list[int], finish_reason: str | None = None,
                  stop_reason: int | str | None = None, new_logprobs=None, new_prompt_logprobs=None,
                  num_cached_tokens: int = 0, error: str | None = None,
-                 timing: tuple[float, float] | None = None, num_preemptions: int = 0) -> None:
+                 timing: tuple[float, float] | None = None, num_preemptions: int = 0,
+                 pooling_output: list[float] | None = None) -> None:
         self.request_id = request_id
         self.new_token_ids = new_token_ids
         self.finish_reason = finish_reason
@@ -72,6 +73,8 @@ class EngineCoreOutput:
         self.timing = timing
         #: times the request has been preempted so far
         self.num_preemptions = num_preemptions
+        #: a pooling request's raw pooled vector (it finishes with it)
+        self.pooling_output = pooling_output
 
     @property
     def finished(self) -> bool:
@@ -310,6 +313,7 @@ class Scheduler:
         # case) appends it and checks its stop conditions inline, without building lists.
         outputs: list[EngineCoreOutput] = []
         all_logprobs, all_prompt_logprobs = runner_output.logprobs, runner_output.prompt_logprobs
+        pooler_output = runner_output.pooler_output
         get_request = self.requests.get
         running_status = RequestStatus.RUNNING
         for req_id, token_ids in zip(runner_output.req_ids, runner_output.sampled_token_ids):
@@ -335,7 +339,11 @@ class Scheduler:
                 if token_id in params.all_stop_token_ids or len(request.all_token_ids) >= request.max_num_tokens:
                     self._check_stop(request, token_id)
             elif not token_ids:
-                if prompt_logprobs is None:
+                pooled = pooler_output.get(req_id) if pooler_output else None
+                if pooled is not None:
+                    # a pooling request ends with its prompt: it never decodes
+                    request.status = RequestStatus.FINISHED_STOPPED
+                elif prompt_logprobs is None:
                     continue
                 new_token_ids = token_ids
             else:
@@ -358,6 +366,7 @@ class Scheduler:
                     timing=((request.queued_time, request.scheduled_time or request.queued_time)
                             if request.num_output_tokens == len(new_token_ids) else None),
                     num_preemptions=request.num_preemptions,
+                    pooling_output=pooler_output.get(req_id) if pooler_output else None,
                 )
             )
             if finished:

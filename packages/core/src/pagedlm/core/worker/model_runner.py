@@ -21,6 +21,7 @@ from pagedlm.core.kv_cache.spec import (
     make_kv_cache_groups,
 )
 from pagedlm.core.layers import custom_ops
+from pagedlm.core.layers.pooler import Pooler
 from pagedlm.core.logger import init_logger
 from pagedlm.core.model_loader import load_model
 from pagedlm.core.platforms import HOST, resolve_platform
@@ -174,6 +175,8 @@ class ModelRunner:
         self.logitsprocs: BatchLogitsProcessors | None = BatchLogitsProcessors(procs) if procs else None
         if vllm_config.model_config.enable_prompt_embeds:
             self._check_prompt_embeds_support()
+        #: pooling models (runner="pooling"): pools every request's prompt instead of sampling
+        self.pooler = Pooler(mc.pooling_type) if mc.runner == "pooling" else None
 
     def _check_prompt_embeds_support(self) -> None:
         # The class nearest in the MRO that replaces run_model or declares support decides.
@@ -287,6 +290,8 @@ class ModelRunner:
             hidden_states = pp_hidden
 
         states = [batch.requests[r] for r in step.req_ids]
+        if self.pooler is not None:
+            return _done(self._pool(sched, step, states, hidden_states), non_block)
         prompt_logprobs = self._prompt_logprobs(step, states, hidden_states)
         if not len(step.sample_indices):
             return _done(ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=[[] for _ in step.req_ids],
@@ -300,6 +305,17 @@ class ModelRunner:
             step.req_ids, prompt_logprobs, sample_indices=step.sample_indices, sample_states=sample_states,
             token_ids_host=token_ids_host, event=event, logprobs=out.logprobs_tensors)
         return pending if non_block else pending.result()
+
+    def _pool(self, sched: SchedulerOutput, step: StepInputs, states: list,
+              hidden_states: torch.Tensor) -> ModelRunnerOutput:
+        """A pooling model's step: the pooled vectors of the prompts that end in it, no sampling."""
+        assert self.pooler is not None
+        if sched.finished_req_ids:
+            self.pooler.drop(set(self.input_batch.requests) | set(self.input_batch.preempted))
+        pooled = self.pooler.pool(step.req_ids, [s.num_prompt_tokens for s in states], step.query_start_loc,
+                                  step.num_computed, step.num_scheduled, hidden_states)
+        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=[[] for _ in step.req_ids],
+                                 pooler_output=pooled)
 
     def compute_sample_logits(self, step: StepInputs, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits ``[S, V]`` float32 of the last token of each sampling request
