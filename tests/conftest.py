@@ -85,3 +85,12 @@ def tiny_llama(tiny_checkpoint_factory: Callable[..., str]) -> str:
     The same directory as ``tiny_checkpoints["llama"]``, without building the other three.
     """
     return tiny_checkpoint_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_st_qwen3(tiny_checkpoint_factory: Callable[..., str], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Qwen3 saved as a sentence-transformers embedding model (mean pooling, Normalize)."""
+    from pagedlm.core.testing.sentence_transformers import make_sentence_transformers_checkpoint
+
+    base = tiny_checkpoint_factory("qwen3")
+    return make_sentence_transformers_checkpoint(base, str(tmp_path_factory.mktemp("st-qwen3")), pooling="mean")

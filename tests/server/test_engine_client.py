@@ -92,6 +92,10 @@ class FakeEngine:
                             outputs=[CompletionOutput(index=0, text="!", token_ids=[token_ids[0]],
                                                       cumulative_logprob=None, logprobs=None, finish_reason="length")])
 
+    async def encode(self, prompt, pooling_params, request_id, *, priority: int = 0):
+        raise NotImplementedError("not a pooling model")
+        yield
+
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 

@@ -21,6 +21,7 @@ from pagedlm.server.serving_common import (
     SSEResponse,
     bad_request,
     check_engine,
+    check_generative,
     check_model,
     check_sequences,
     check_text_length,
@@ -124,6 +125,7 @@ def chat_params(state: ServerState, req: ChatCompletionRequest) -> tuple[Samplin
     """The checks of a chat request that do not need its messages; (params, number of logprobs)."""
     check_model(state, req.model)
     check_engine(state)
+    check_generative(state, "Chat Completions API (/v1/chat/completions)")
     if req.tools:
         raise APIError("tools are not supported by this server", param="tools")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":

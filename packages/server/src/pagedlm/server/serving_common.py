@@ -111,6 +111,13 @@ def check_model(state: ServerState, model: str | None) -> None:
                        status=404, param="model", code="model_not_found")
 
 
+def check_generative(state: ServerState, api: str) -> None:
+    """A 400 when the served model is a pooling model (``api`` needs a generative one)."""
+    if state.engine.model_config.runner == "pooling":
+        raise APIError(f"The model {state.model_name!r} is a pooling (embedding) model and does not support the "
+                       f"{api}; use /v1/embeddings or /pooling, or serve it with --runner generate")
+
+
 def check_engine(state: ServerState) -> None:
     dead = state.engine.dead_error
     if dead is not None:

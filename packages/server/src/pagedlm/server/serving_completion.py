@@ -25,6 +25,7 @@ from pagedlm.server.serving_common import (
     SSEResponse,
     bad_request,
     check_engine,
+    check_generative,
     check_model,
     check_sequences,
     check_text_length,
@@ -101,6 +102,7 @@ def _prepare(state: ServerState, req: CompletionRequest, params: SamplingParams,
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Any:
     check_model(state, req.model)
     check_engine(state)
+    check_generative(state, "Completions API (/v1/completions)")
     if req.prompt_embeds is not None:
         # NOTE: the engine takes no prompt embeddings (vLLM's --enable-prompt-embeds) yet.
         raise APIError("prompt_embeds is not supported by this server: its engine takes token prompts only "

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from pagedlm.core.engine.async_client import EngineDeadError
     from pagedlm.core.engine.processor import PromptType
     from pagedlm.core.metrics import EngineStatsSnapshot
-    from pagedlm.core.outputs import RequestOutput
+    from pagedlm.core.outputs import PoolingRequestOutput, RequestOutput
+    from pagedlm.core.pooling_params import PoolingParams
     from pagedlm.core.sampling_params import SamplingParams
 
 
@@ -48,6 +49,10 @@ class EngineClient(Protocol):
     def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
                  add_special_tokens: bool = True, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """The request's outputs until it finishes; leaving early aborts it."""
+
+    def encode(self, prompt: PromptType, pooling_params: PoolingParams, request_id: str, *,
+               priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling model's output for one prompt (one final ``PoolingRequestOutput``)."""
 
     @property
     def scheduling_policy(self) -> str:
