@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from pagedlm.core.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedlm.core.engine.arg_utils import EngineArgs
 from pagedlm.core.engine.llm_engine import LLMEngine
 from pagedlm.core.engine.processor import PromptType
@@ -106,6 +107,18 @@ class LLM:
             raise ValueError(f"priority has {len(priority)} entries but there are {len(prompts)} prompts; "
                              "pass one priority per prompt")
         return self._run(prompts, params_list, use_tqdm=use_tqdm, priority=priority)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, *,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: the best ``params.beam_width`` sequences of every prompt
+        (``.sequences``, best first; each ``tokens`` holds the prompt too). Scores as HF's
+        ``generate(num_beams=...)`` does (pagedlm.core.beam_search)."""
+        from pagedlm.core.beam_search import run_offline
+
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        check_runner(self.llm_engine.vllm_config.model_config, "generate", "LLM.beam_search")
+        return run_offline(self, list(prompts), params, use_tqdm=use_tqdm)
 
     # -- pooling models (runner="pooling") ----------------------------------------------------
     def encode(self, prompts: PromptType | Sequence[PromptType],
