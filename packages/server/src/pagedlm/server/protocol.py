@@ -110,7 +110,9 @@ class SamplingFields(OpenAIModel):
                                  "vocabulary, within --max-logprobs); not with stream=true")
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, description="keep at most this many prompt tokens (-1: max_model_len - 1)")
-    use_beam_search: bool | None = Field(None, description="vLLM's beam search: not supported (must be false)")
+    use_beam_search: bool | None = Field(
+        None, description="vLLM's beam search (/v1/completions only): the n best beams of width n, not streamed")
+    length_penalty: float | None = Field(None, description="beam search: scores divide by length ** length_penalty")
     priority: int | None = Field(
         None, ge=INT64_MIN, le=INT64_MAX,
         description="vLLM's scheduling priority (lower first); nonzero needs --scheduling-policy priority")

@@ -126,6 +126,9 @@ def chat_params(state: ServerState, req: ChatCompletionRequest) -> tuple[Samplin
     check_model(state, req.model)
     check_engine(state)
     check_generative(state, "Chat Completions API (/v1/chat/completions)")
+    if req.use_beam_search:
+        raise APIError("use_beam_search=true is supported on /v1/completions only; leave it false here",
+                       param="use_beam_search")
     if req.tools:
         raise APIError("tools are not supported by this server", param="tools")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":

@@ -199,9 +199,6 @@ def parse_logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
 def make_sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None, stream: bool) -> SamplingParams:
     """SamplingParams from the request; ``SamplingParams``' own checks become 400s."""
-    if req.use_beam_search:
-        raise APIError("use_beam_search=true is not supported by this server: it samples (or decodes greedily) "
-                       "only; leave it false", param="use_beam_search")
     top_k = req.top_k if req.top_k not in (None, 0) else -1  # vLLM: 0 and -1 both disable
     kwargs: dict[str, Any] = dict(
         n=req.n or 1,

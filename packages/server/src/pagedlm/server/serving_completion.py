@@ -19,6 +19,7 @@ from pagedlm.core.outputs import PromptLogprobs, RequestOutput, SampleLogprobs
 from pagedlm.core.sampling_params import SamplingParams
 from pagedlm.server.errors import APIError, error_response, logger
 from pagedlm.server.protocol import CompletionRequest
+from pagedlm.server.serving_beam import beam_search_outputs, beam_search_params
 from pagedlm.server.serving_common import (
     SSE_DONE,
     ServerState,
@@ -127,6 +128,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         raise APIError("prompt_logprobs are not available with stream=true", param="prompt_logprobs")
     if num_prompt_logprobs is None and echo:
         num_prompt_logprobs = num_logprobs
+    beam_params = (beam_search_params(req, n, req.max_tokens or DEFAULT_MAX_TOKENS, stream)
+                   if req.use_beam_search else None)
     params = make_sampling_params(req, max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, logprobs=num_logprobs,
                                   prompt_logprobs=num_prompt_logprobs, stream=stream)
     raw_prompts = _prompts(req)
@@ -138,6 +141,15 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     priority = request_priority(state, req)
     request_id = random_id("cmpl")
     created = int(time.time())
+    if beam_params is not None:
+        builder = _Builder(state, req, prompts, n, echo, request_id, created, None)
+        try:
+            beams = await until_disconnect(raw, beam_search_outputs(state, prompts, beam_params, request_id, priority))
+        except EngineDeadError as e:
+            return error_response(engine_dead(e))
+        if beams is None:
+            return JSONResponse({}, status_code=499)
+        return JSONResponse(builder.response(beams))
     gens = [
         state.engine.generate({"prompt": p.text, "prompt_token_ids": p.token_ids}, params, f"{request_id}-{i}",
                               priority=priority)
