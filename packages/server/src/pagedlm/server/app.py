@@ -5,6 +5,7 @@ Routes (OpenAI's, then vLLM's):
   POST /v1/chat/completions/batch (vLLM's)
   POST /tokenize  POST /detokenize  GET /health  GET /version  GET /metrics
   POST /v1/embeddings, POST /pooling (pooling models; serving_embedding.py)
+  POST /v1/responses (text; serving_responses.py)
 With an API key set, every /v1 route and /tokenize, /detokenize and /metrics need
 ``Authorization: Bearer KEY``; /health and /version stay open for load balancers.
 """
@@ -214,7 +215,8 @@ def build_app(state: ServerState) -> FastAPI:
         payload = generate_latest(collector.registry) if collector is not None else b""
         return Response(payload, media_type=CONTENT_TYPE_LATEST)
 
-    from pagedlm.server import serving_embedding
+    from pagedlm.server import serving_embedding, serving_responses
 
     app.include_router(serving_embedding.router)
+    app.include_router(serving_responses.router)
     return app
