@@ -96,6 +96,15 @@ class FakeEngine:
         raise NotImplementedError("not a pooling model")
         yield
 
+    async def sleep(self, level: int = 1) -> None:
+        raise ValueError("sleep mode is off")
+
+    async def wake_up(self, tags=None) -> None:
+        return None
+
+    async def is_sleeping(self) -> bool:
+        return False
+
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 

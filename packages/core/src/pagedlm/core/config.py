@@ -116,6 +116,8 @@ class ModelConfig(_Freezable):
     #: the work-mode's pooling (set from pooler_config and the checkpoint when runner="pooling")
     pooling_type: str | None = None
     pooler_normalize: bool = True
+    #: vLLM's ``enable_sleep_mode``: allow ``sleep()`` / ``wake_up()`` (worker/sleep.py)
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         if self.logits_processors is not None:

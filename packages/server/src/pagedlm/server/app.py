@@ -6,8 +6,9 @@ Routes (OpenAI's, then vLLM's):
   POST /tokenize  POST /detokenize  GET /health  GET /version  GET /metrics
   POST /v1/embeddings, POST /pooling (pooling models; serving_embedding.py)
   POST /v1/responses (text; serving_responses.py)
-With an API key set, every /v1 route and /tokenize, /detokenize and /metrics need
-``Authorization: Bearer KEY``; /health and /version stay open for load balancers.
+  POST /sleep  POST /wake_up  GET /is_sleeping (with --enable-sleep-mode; serving_sleep.py)
+With an API key set, every /v1 route and /tokenize, /detokenize, /metrics, /pooling and the sleep
+routes need ``Authorization: Bearer KEY``; /health and /version stay open for load balancers.
 """
 
 from __future__ import annotations
@@ -215,8 +216,9 @@ def build_app(state: ServerState) -> FastAPI:
         payload = generate_latest(collector.registry) if collector is not None else b""
         return Response(payload, media_type=CONTENT_TYPE_LATEST)
 
-    from pagedlm.server import serving_embedding, serving_responses
+    from pagedlm.server import serving_embedding, serving_responses, serving_sleep
 
     app.include_router(serving_embedding.router)
     app.include_router(serving_responses.router)
+    app.include_router(serving_sleep.router)
     return app

@@ -64,6 +64,8 @@ _HELP = {
     "config_format": "vLLM's option: 'auto' or 'hf' (config.json, or a GGUF file's metadata)",
     "logits_processors": "custom logits processors, 'package.module:Class' names of vLLM-style "
     "LogitsProcessor subclasses (pagedlm.core.v1.sample.logits_processor)",
+    "enable_sleep_mode": "allow sleep()/wake_up() (the server's /sleep, /wake_up, /is_sleeping): free the device "
+    "memory of weights and KV cache between uses",
     "runner": "generate, pooling (an embedding model: LLM.embed, /v1/embeddings) or auto",
     "convert": "embed: run a generative checkpoint as an embedding model (runner pooling); auto or none",
     "task": "vLLM's older option: embed (= --runner pooling) or generate",
@@ -116,6 +118,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     logits_processors: list[Any] | None = None
     enable_prompt_embeds: bool = False
+    enable_sleep_mode: bool = False
     runner: str = "auto"
     convert: str = "auto"
     task: str = "auto"
@@ -148,6 +151,7 @@ class EngineArgs:
                 quantization=self.quantization,
                 logits_processors=self.logits_processors,
                 enable_prompt_embeds=self.enable_prompt_embeds,
+                enable_sleep_mode=self.enable_sleep_mode,
                 runner=self.runner,
                 convert=self.convert,
                 task=self.task,

@@ -355,6 +355,19 @@ class AsyncLLM:
         self._record(None, stats)
         self.engine_core.abort_requests_nowait(child_ids)
 
+    # -- sleep mode (enable_sleep_mode) --------------------------------------------------------
+    async def sleep(self, level: int = 1) -> None:
+        """Free the workers' device memory (``LLM.sleep``); requests that arrive meanwhile wait
+        until :meth:`wake_up`."""
+        await self.engine_core.call_utility_async("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.engine_core.call_utility_async("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        result = await self.engine_core.call_utility_async("is_sleeping")
+        return any(result) if isinstance(self.engine_core, AsyncDPClient) else bool(result)
+
     # -- engine-core utilities ---------------------------------------------------------------
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block; False while requests hold blocks."""

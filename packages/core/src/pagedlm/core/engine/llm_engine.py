@@ -73,6 +73,8 @@ class LLMEngine:
         #: request statistics for get_metrics (per output of every step: off unless asked for)
         self._tracker = RequestStatsTracker() if log_stats else None
         self._collector = MetricsCollector(vllm_config.model_config.name, vllm_config.max_model_len)
+        #: sleep mode: asleep (LLM.sleep) until every part is awake again
+        self.sleeping = False
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -105,6 +107,8 @@ class LLMEngine:
                               pooling_params: Any = None) -> None:
         """Queue a request that ``self.processor.process`` already validated (a pooling request
         with its ``PoolingParams``)."""
+        if self.sleeping:
+            raise ValueError("the engine is sleeping (LLM.sleep): call wake_up() before generating")
         request_id = core_request.request_id
         params = core_request.sampling_params
         children = fan_out(core_request)
@@ -141,6 +145,22 @@ class LLMEngine:
                     self._tracker.finish(out.request_id, reason, now, stats)
             self._collector.record(None, stats)
         return request_outputs
+
+    # -- sleep mode -----------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory of weights and KV cache (see ``LLM.sleep``)."""
+        self._inproc_core("sleep").sleep(level)
+        self.sleeping = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        core = self._inproc_core("wake_up")
+        core.wake_up(tags)
+        self.sleeping = core.is_sleeping()
+
+    def _inproc_core(self, what: str) -> Any:
+        if not isinstance(self.engine_core, InprocClient):
+            raise ValueError(f"{what} is not supported with data parallelism (data_parallel_size > 1)")
+        return self.core
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block; False (nothing reset) while requests hold blocks."""

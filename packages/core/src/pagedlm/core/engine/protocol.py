@@ -61,6 +61,14 @@ class EngineClient(Protocol):
     def abort(self, request_id: str) -> None:
         """Stop a request now (synchronous: callable from ``finally`` blocks)."""
 
+    # -- sleep mode ------------------------------------------------------------------------------
+    async def sleep(self, level: int = 1) -> None:
+        """Free the device memory (needs enable_sleep_mode); ValueError/RuntimeError when refused."""
+
+    async def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+    async def is_sleeping(self) -> bool: ...
+
     # -- health and statistics -------------------------------------------------------------------
     @property
     def dead_error(self) -> EngineDeadError | None:

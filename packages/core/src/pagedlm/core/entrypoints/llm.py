@@ -281,6 +281,21 @@ class LLM:
         """Forget every cached prefix block (vLLM's name); False while requests hold blocks."""
         return self.llm_engine.reset_prefix_cache()
 
+    # -- sleep mode (LLM(enable_sleep_mode=True)) -----------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's ``LLM.sleep``: free the device memory between uses. Level 1 moves the weights to
+        host memory and drops the KV cache; level 2 drops both (the weights are read from the
+        checkpoint again on wake). Refused while requests run; nothing runs until ``wake_up``."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back ``tags`` ("weights", "kv_cache"; None: both), e.g. the weights first (to
+        update them) and then the KV cache. The prefix cache starts empty."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.sleeping
+
     def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
         """Run ``method`` on every worker (vLLM's ``collective_rpc``) and return their results in

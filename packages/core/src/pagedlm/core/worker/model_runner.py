@@ -399,6 +399,11 @@ class ModelRunner:
         host = tensor.to(HOST, non_blocking=True)
         return host, self.platform.record_event()
 
+    def release_device_graphs(self) -> None:
+        """Drop captured device graphs (sleep mode: they point at memory about to be freed).
+        Extension point: a no-op here; device runners that capture graphs override it and
+        capture again in ``initialize_kv_cache``."""
+
     def profile_run(self) -> None:
         """Run the largest step the engine will schedule, before the KV cache exists, so the
         platform can measure the activation peak. Extension point: a no-op here (host memory

@@ -21,6 +21,7 @@ from pagedlm.core.plugins import resolve_class_path
 from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedlm.core.worker.model_runner import AsyncModelRunnerOutput, ModelRunner
 from pagedlm.core.worker.profiler import WorkerProfiler
+from pagedlm.core.worker.sleep import SleepState
 
 logger = init_logger(__name__)
 
@@ -40,6 +41,9 @@ class Worker:
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
         self.profiler: WorkerProfiler | None = None
+        #: sleep mode (enable_sleep_mode): what is asleep on this worker
+        self.sleep_state = SleepState()
+        self.num_kv_blocks = 0
 
     def init_device(self) -> None:
         self.device = self.platform.set_device(self.local_rank)
@@ -93,6 +97,7 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int) -> None:
         assert self.model_runner is not None
+        self.num_kv_blocks = num_blocks
         self.model_runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput,
@@ -115,6 +120,17 @@ class Worker:
             self.profiler.start(profile_prefix)
         else:
             self.profiler.stop()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free this rank's device memory (worker/sleep.py): level 1 keeps the weights in host
+        memory, level 2 reads them again on wake; the KV cache is dropped."""
+        assert self.model_runner is not None
+        self.sleep_state.sleep(self.model_runner, level, self.num_kv_blocks)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back ``tags`` ("weights", "kv_cache"; None: both)."""
+        assert self.model_runner is not None
+        self.sleep_state.wake_up(self.model_runner, tags)
 
     def get_model(self) -> Any:
         """This rank's model (``torch.nn.Module``; vLLM's ``Worker.get_model``)."""
