@@ -9,7 +9,6 @@ import httpx
 import numpy as np
 import openai
 import pytest
-
 from server_harness import API_KEY
 
 pytestmark = pytest.mark.timeout(300)

@@ -29,13 +29,13 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from pagedlm.core.beam_search import BeamSearchParams
     from pagedlm.core.config import VllmConfig
     from pagedlm.core.engine.arg_utils import EngineArgs
     from pagedlm.core.engine.async_llm import AsyncLLM, EngineDeadError
     from pagedlm.core.engine.llm_engine import LLMEngine
     from pagedlm.core.engine.protocol import EngineClient
     from pagedlm.core.entrypoints.llm import LLM
-    from pagedlm.core.beam_search import BeamSearchParams
     from pagedlm.core.outputs import (
         CompletionOutput,
         EmbeddingRequestOutput,

@@ -31,7 +31,7 @@ from pagedlm.core.config import ModelConfig, VllmConfig
 from pagedlm.core.engine.arg_utils import EngineArgs
 from pagedlm.core.engine.async_client import AsyncInprocClient, AsyncMPClient, EngineDeadError
 from pagedlm.core.engine.dp_client import AsyncDPClient
-from pagedlm.core.engine.llm_engine import finish_reason_of, fan_out, output_prompt_ids
+from pagedlm.core.engine.llm_engine import fan_out, finish_reason_of, output_prompt_ids
 from pagedlm.core.engine.output_processor import OutputProcessor
 from pagedlm.core.engine.processor import Processor, PromptType
 from pagedlm.core.engine.tokenizer import get_tokenizer

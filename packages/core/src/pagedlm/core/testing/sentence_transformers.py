@@ -7,6 +7,7 @@ import os
 import shutil
 
 _MODES = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "last": "pooling_mode_lasttoken"}
+_OTHER_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
 
 
 def make_sentence_transformers_checkpoint(base_dir: str, out_dir: str, *, pooling: str = "mean",
@@ -27,9 +28,7 @@ def make_sentence_transformers_checkpoint(base_dir: str, out_dir: str, *, poolin
         os.makedirs(os.path.join(out_dir, "2_Normalize"), exist_ok=True)
     os.makedirs(os.path.join(out_dir, "1_Pooling"), exist_ok=True)
     pooling_config = {"word_embedding_dimension": hidden_size, "include_prompt": True,
-                      **{mode: False for mode in (*_MODES.values(), "pooling_mode_max_tokens",
-                                                  "pooling_mode_mean_sqrt_len_tokens",
-                                                  "pooling_mode_weightedmean_tokens")}}
+                      **dict.fromkeys((*_MODES.values(), *_OTHER_MODES), False)}
     pooling_config[_MODES[pooling]] = True
     files = {"modules.json": modules, "1_Pooling/config.json": pooling_config,
              "sentence_bert_config.json": {"max_seq_length": 256, "do_lower_case": False}}
