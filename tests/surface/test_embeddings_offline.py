@@ -112,6 +112,16 @@ def test_refusals_name_the_problem(embed_llm, tiny_llama):
         gen.embed(["hi"], use_tqdm=False)
 
 
+def test_a_sentence_transformers_export_runs_as_is(st_model, reference, tmp_path):
+    # SentenceTransformer.save writes the bare body: architectures ["Qwen3Model"], no "model."
+    # prefix, no LM head; runner="auto" picks pooling for it
+    st_model.save(str(tmp_path / "export"))
+    llm = LLM(str(tmp_path / "export"), dtype="float32", device="cpu")
+    assert llm.vllm_config.model_config.runner == "pooling"
+    got = np.array([o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
+    np.testing.assert_allclose(got, reference, atol=1e-5, rtol=0)
+
+
 def test_task_embed_and_matryoshka_dimensions(tiny_st_qwen3, reference):
     llm = LLM(tiny_st_qwen3, task="embed", dtype="float32", device="cpu", hf_overrides={"is_matryoshka": True})
     assert llm.vllm_config.model_config.runner == "pooling"

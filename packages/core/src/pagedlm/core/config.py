@@ -104,7 +104,8 @@ class ModelConfig(_Freezable):
     #: accept ``{"prompt_embeds": tensor}`` prompts (vLLM's ``enable_prompt_embeds``)
     enable_prompt_embeds: bool = False
     #: vLLM's ``runner``: "generate", "pooling" (embeddings: LLM.embed, /v1/embeddings) or "auto"
-    #: (resolved here: "pooling" for ``task="embed"`` / ``convert="embed"``, else "generate")
+    #: (resolved here: "pooling" for ``task="embed"`` / ``convert="embed"`` or a checkpoint of a bare
+    #: ``XModel`` body, else "generate")
     runner: str = "auto"
     #: vLLM's ``convert``: "embed" turns a generative checkpoint into an embedding model
     convert: str = "auto"
@@ -175,7 +176,11 @@ class ModelConfig(_Freezable):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}")
         if self.runner == "auto":
-            wants_pooling = self.task == "embed" or self.convert == "embed"
+            # a checkpoint of a bare body ("Qwen3Model", as sentence-transformers saves it) has no
+            # LM head: it can only pool
+            archs = list(getattr(self.hf_config, "architectures", None) or []) if self.hf_config is not None else []
+            body_only = bool(archs) and all(a.endswith("Model") for a in archs)
+            wants_pooling = self.task == "embed" or self.convert == "embed" or body_only
             self.runner = "pooling" if wants_pooling else "generate"
         if self.runner == "generate" and (self.task == "embed" or self.convert == "embed"):
             raise ValueError(f"runner='generate' contradicts task={self.task!r} / convert={self.convert!r}: "

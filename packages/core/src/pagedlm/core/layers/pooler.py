@@ -34,10 +34,12 @@ CONVERTS = ("auto", "none", "embed")
 
 # sentence-transformers' pooling modes -> pooling types (the others are refused by name)
 _ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
+_ST_MODE_NAMES = {"lasttoken": "LAST", "last": "LAST", "mean": "MEAN", "cls": "CLS"}
 _ST_UNSUPPORTED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
                          "pooling_mode_weightedmean_tokens")
-_ST_MODULES = {"sentence_transformers.models.Transformer", "sentence_transformers.models.Pooling",
-               "sentence_transformers.models.Normalize"}
+# module classes by name: sentence-transformers writes "sentence_transformers.models.Pooling" or,
+# in newer versions, "sentence_transformers.base.modules.pooling.Pooling"
+_ST_MODULES = ("Transformer", "Pooling", "Normalize")
 
 
 @dataclass
@@ -83,19 +85,25 @@ def read_sentence_transformers_pooling(model_dir: str | None) -> tuple[str | Non
     normalize = False
     for module in modules:
         kind = module.get("type", "")
-        if kind not in _ST_MODULES:
+        name = kind.rsplit(".", 1)[-1]
+        if not kind.startswith("sentence_transformers.") or name not in _ST_MODULES:
             raise ValueError(f"{path} names the sentence-transformers module {kind!r}, which pagedlm does not run "
-                             f"(supported: {', '.join(sorted(_ST_MODULES))})")
-        if kind.endswith(".Normalize"):
+                             f"(supported: {', '.join(_ST_MODULES)})")
+        if name == "Normalize":
             normalize = True
-        elif kind.endswith(".Pooling"):
+        elif name == "Pooling":
             with open(os.path.join(model_dir, module.get("path", ""), "config.json")) as f:
                 config = json.load(f)
-            bad = [m for m in _ST_UNSUPPORTED_MODES if config.get(m)]
-            modes = [t for m, t in _ST_MODES.items() if config.get(m)]
+            if "pooling_mode" in config:  # newer sentence-transformers: one name
+                mode = str(config["pooling_mode"]).lower()
+                known = _ST_MODE_NAMES.get(mode)
+                bad, modes = ([], [known]) if known else ([f"pooling_mode={mode!r}"], [])
+            else:  # one boolean per mode
+                bad = [m for m in _ST_UNSUPPORTED_MODES if config.get(m)]
+                modes = [t for m, t in _ST_MODES.items() if config.get(m)]
             if bad or len(modes) != 1:
                 raise ValueError(f"the checkpoint's pooling modes {bad + modes} are not supported: exactly one of "
-                                 f"{', '.join(_ST_MODES)} must be set")
+                                 "last token, mean or CLS pooling must be set")
             if config.get("include_prompt") is False:
                 raise ValueError("the checkpoint's pooling has include_prompt=false, which pagedlm does not support")
             pooling_type = modes[0]
