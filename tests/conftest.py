@@ -109,3 +109,12 @@ def tiny_gemma3_vision(tmp_path_factory: pytest.TempPathFactory) -> str:
     from pagedlm.core.testing.multimodal import make_tiny_gemma3_vision_checkpoint
 
     return make_tiny_gemma3_vision_checkpoint(tmp_path_factory.mktemp("tiny-gemma3-vision"))
+
+
+@pytest.fixture(scope="session")
+def tiny_st_qwen3(tiny_checkpoint_factory: Callable[..., str], tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Qwen3 saved as a sentence-transformers embedding model (mean pooling, Normalize)."""
+    from pagedlm.core.testing.sentence_transformers import make_sentence_transformers_checkpoint
+
+    base = tiny_checkpoint_factory("qwen3")
+    return make_sentence_transformers_checkpoint(base, str(tmp_path_factory.mktemp("st-qwen3")), pooling="mean")

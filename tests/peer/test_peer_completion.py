@@ -628,16 +628,18 @@ async def test_batch_completions(client: openai.AsyncOpenAI, model_name: str):
         assert batch.choices[0].text == batch.choices[1].text
 
         # test n = 2
-        # pagedlm: no beam search; use_beam_search=true is refused by name
-        with pytest.raises(BadRequestError, match="use_beam_search"):
-            await client.completions.create(
-                model=model_name,
-                prompt=prompts,
-                n=2,
-                max_tokens=5,
-                temperature=0.0,
-                extra_body=dict(use_beam_search=True),
-            )
+        batch = await client.completions.create(
+            model=model_name,
+            prompt=prompts,
+            n=2,
+            max_tokens=5,
+            temperature=0.0,
+            extra_body=dict(use_beam_search=True),
+        )
+        assert len(batch.choices) == 4
+        assert batch.choices[0].text != batch.choices[1].text, "beam search should be different"
+        assert batch.choices[0].text == batch.choices[2].text, "two copies of the same prompt should be the same"
+        assert batch.choices[1].text == batch.choices[3].text, "two copies of the same prompt should be the same"
 
         # test streaming
         batch = await client.completions.create(

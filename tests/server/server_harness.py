@@ -197,6 +197,7 @@ def _typed_model(name: str) -> Any:
 
     import openai.types as types
     import openai.types.chat as chat
+    import openai.types.responses as responses
     from openai.types.shared import ErrorObject
     from pydantic import BaseModel
 
@@ -214,6 +215,9 @@ def _typed_model(name: str) -> Any:
         "CreateChatCompletionResponse": chat.ChatCompletion,
         "CreateChatCompletionStreamResponse": chat.ChatCompletionChunk,
         "ErrorResponse": ErrorResponse,
+        "CreateEmbeddingResponse": types.CreateEmbeddingResponse,
+        "Response": responses.Response,
+        "ResponseStreamEvent": responses.ResponseStreamEvent,
     }
     if name not in models:
         raise KeyError(f"no openai typed model stands for {name!r}; known: {sorted(models)}")

@@ -76,6 +76,7 @@ class FakeEngine:
         self.num_gpu_blocks = 8
         self.latest_stats = None
         self.aborted: list[str] = []
+        self.scheduling_policy = "fcfs"
 
     def tokenize(self, prompt, *, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in prompt]
@@ -85,12 +86,25 @@ class FakeEngine:
             raise ValueError(f"prompt + max_tokens exceeds max_model_len={self.max_model_len}")
 
     async def generate(self, prompt, sampling_params, request_id, *, add_special_tokens: bool = True,
-                       lora_request=None) -> AsyncIterator[RequestOutput]:
+                       lora_request=None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         token_ids = prompt["prompt_token_ids"]
         yield RequestOutput(request_id=request_id, prompt=prompt["prompt"], prompt_token_ids=token_ids,
                             prompt_logprobs=None, finished=True,
                             outputs=[CompletionOutput(index=0, text="!", token_ids=[token_ids[0]],
                                                       cumulative_logprob=None, logprobs=None, finish_reason="length")])
+
+    async def encode(self, prompt, pooling_params, request_id, *, priority: int = 0):
+        raise NotImplementedError("not a pooling model")
+        yield
+
+    async def sleep(self, level: int = 1) -> None:
+        raise ValueError("sleep mode is off")
+
+    async def wake_up(self, tags=None) -> None:
+        return None
+
+    async def is_sleeping(self) -> bool:
+        return False
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

@@ -245,8 +245,22 @@ def test_chat_echo_continue_final_message_and_tokens_as_ids(server):
     assert len(special) >= len(without)
 
 
-def test_beam_search_is_refused_by_name(server):
-    r = post(server, "/v1/completions", {"prompt": "hi", "n": 2, "max_tokens": 2, "use_beam_search": True})
+def test_beam_search_equals_offline_beam_search(server, tiny_llama, openai_schemas):
+    from pagedlm.core import LLM, BeamSearchParams
+
+    body = {"prompt": [1, 17, 42, 99, 7], "n": 3, "max_tokens": 6, "use_beam_search": True, "length_penalty": 0.5,
+            "return_token_ids": True}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    openai_schemas.validate("CreateCompletionResponse", r.json())
+    offline = LLM(tiny_llama, dtype="float32", device="cpu", num_gpu_blocks_override=256).beam_search(
+        [{"prompt_token_ids": body["prompt"]}], BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5))[0]
+    assert [c["token_ids"] for c in r.json()["choices"]] == [s.tokens[5:] for s in offline.sequences]
+    assert [c["text"] for c in r.json()["choices"]] == [s.text for s in offline.sequences]
+    for bad, param in (({"stream": True}, "stream"), ({"logprobs": 2}, "logprobs")):
+        r = post(server, "/v1/completions", {**body, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = post(server, "/v1/chat/completions", {"messages": CHAT, "use_beam_search": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search", r.text
     ok = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "use_beam_search": False})
     assert ok.status_code == 200, ok.text

@@ -22,9 +22,15 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "VllmConfig",
+    "PoolingParams",
+    "PoolingRequestOutput",
+    "EmbeddingRequestOutput",
+    "ScoringRequestOutput",
+    "BeamSearchParams",
 ]
 
 if TYPE_CHECKING:
+    from pagedlm.core.beam_search import BeamSearchParams
     from pagedlm.core.config import VllmConfig
     from pagedlm.core.engine.arg_utils import EngineArgs
     from pagedlm.core.engine.async_llm import AsyncLLM, EngineDeadError
@@ -32,7 +38,15 @@ if TYPE_CHECKING:
     from pagedlm.core.engine.protocol import EngineClient
     from pagedlm.core.entrypoints.llm import LLM
     from pagedlm.core.lora.request import LoRARequest
-    from pagedlm.core.outputs import CompletionOutput, Logprob, RequestOutput
+    from pagedlm.core.outputs import (
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        PoolingRequestOutput,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
+    from pagedlm.core.pooling_params import PoolingParams
     from pagedlm.core.sampling_params import SamplingParams
 
 _LAZY = {
@@ -48,6 +62,11 @@ _LAZY = {
     "RequestOutput": "pagedlm.core.outputs",
     "CompletionOutput": "pagedlm.core.outputs",
     "Logprob": "pagedlm.core.outputs",
+    "PoolingParams": "pagedlm.core.pooling_params",
+    "PoolingRequestOutput": "pagedlm.core.outputs",
+    "EmbeddingRequestOutput": "pagedlm.core.outputs",
+    "ScoringRequestOutput": "pagedlm.core.outputs",
+    "BeamSearchParams": "pagedlm.core.beam_search",
 }
 
 

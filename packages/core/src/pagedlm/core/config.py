@@ -109,6 +109,22 @@ class ModelConfig(_Freezable):
     limit_mm_per_prompt: dict[str, int] | None = None
     allowed_local_media_path: str = ""
     allowed_media_domains: list[str] | None = None
+    #: vLLM's ``runner``: "generate", "pooling" (embeddings: LLM.embed, /v1/embeddings) or "auto"
+    #: (resolved here: "pooling" for ``task="embed"`` / ``convert="embed"`` or a checkpoint of a bare
+    #: ``XModel`` body, else "generate")
+    runner: str = "auto"
+    #: vLLM's ``convert``: "embed" turns a generative checkpoint into an embedding model
+    convert: str = "auto"
+    #: vLLM's older spelling: "embed" is ``runner="pooling"``, "generate" ``runner="generate"``
+    task: str = "auto"
+    #: pooling overrides (layers/pooler.py's PoolerConfig or a dict); resolved with the
+    #: checkpoint's sentence-transformers config into ``pooling_type`` / ``pooler_normalize``
+    pooler_config: Any = None
+    #: the work-mode's pooling (set from pooler_config and the checkpoint when runner="pooling")
+    pooling_type: str | None = None
+    pooler_normalize: bool = True
+    #: vLLM's ``enable_sleep_mode``: allow ``sleep()`` / ``wake_up()`` (worker/sleep.py)
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         if self.logits_processors is not None:
@@ -154,8 +170,38 @@ class ModelConfig(_Freezable):
                     f"max_model_len={self.max_model_len} exceeds the model's maximum context "
                     f"length {derived} (max_position_embeddings in config.json)"
                 )
+        self._resolve_runner()
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in _STR_TO_DTYPE:
             raise ValueError(f"dtype={self.dtype!r} is not one of auto, float32, float16, bfloat16")
+
+    def _resolve_runner(self) -> None:
+        from pagedlm.core.layers.pooler import CONVERTS, RUNNERS, PoolerConfig, resolve_pooling
+
+        for name, value, allowed in (("runner", self.runner, RUNNERS), ("convert", self.convert, CONVERTS),
+                                     ("task", self.task, ("auto", "generate", "embed"))):
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is not one of {', '.join(allowed)}")
+        if self.runner == "auto":
+            # a checkpoint of a bare body ("Qwen3Model", as sentence-transformers saves it) has no
+            # LM head: it can only pool
+            archs = list(getattr(self.hf_config, "architectures", None) or []) if self.hf_config is not None else []
+            body_only = bool(archs) and all(a.endswith("Model") for a in archs)
+            wants_pooling = self.task == "embed" or self.convert == "embed" or body_only
+            self.runner = "pooling" if wants_pooling else "generate"
+        if self.runner == "generate" and (self.task == "embed" or self.convert == "embed"):
+            raise ValueError(f"runner='generate' contradicts task={self.task!r} / convert={self.convert!r}: "
+                             "an embedding model needs runner='pooling'")
+        if self.runner == "pooling":
+            self.pooler_config = PoolerConfig.from_any(self.pooler_config)
+            self.pooling_type, self.pooler_normalize = resolve_pooling(self.model, self.pooler_config)
+        elif self.pooler_config is not None:
+            raise ValueError("pooler_config needs runner='pooling' (an embedding model)")
+
+    @property
+    def is_matryoshka(self) -> bool:
+        """Whether embeddings may be truncated to fewer ``dimensions`` (matryoshka representation)."""
+        cfg = self.hf_config
+        return bool(getattr(cfg, "is_matryoshka", False) or getattr(cfg, "matryoshka_dimensions", None))
 
     def _init_from_gguf(self, path: str) -> None:
         """Config, generation defaults and tokenizer source from a GGUF file's metadata."""
@@ -425,8 +471,15 @@ class SchedulerConfig(_Freezable):
     #: a streamed request gets an output once at least this many new tokens collected (and on
     #: its first token, and when it finishes); vLLM's ``--stream-interval``
     stream_interval: int = 1
+    #: the order of waiting (and preempted) requests: "fcfs" or "priority" (by each request's
+    #: ``priority``, lower first, ties by arrival); vLLM's ``--scheduling-policy``
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        from pagedlm.core.sched.request_queue import SCHEDULING_POLICIES
+
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={self.policy!r} is not one of {', '.join(SCHEDULING_POLICIES)}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int) \
@@ -596,6 +649,10 @@ class VllmConfig(_Freezable):
         elif load_format == "gguf" and not mc.is_gguf:
             raise ValueError(f'load_format="gguf" needs model=FILE.gguf; got model={mc.model!r}')
         sc = self.scheduler_config
+        if mc.runner == "pooling" and mc.pooling_type != "LAST" and self.cache_config.enable_prefix_caching:
+            # NOTE: MEAN and CLS pooling read the hidden state of every prompt token; a prefix-cache
+            # hit would skip computing them (LAST pooling always computes the last token).
+            self.cache_config.enable_prefix_caching = False
         if sc.max_num_batched_tokens is None and sc.enable_chunked_prefill:
             sc.max_num_batched_tokens = platform.default_max_num_batched_tokens(self.usage_context)
         if mc.hf_config is not None:

@@ -57,6 +57,8 @@ class EngineCoreRequest:
     #: multimodal items (``MultiModalFeature``) in prompt order; their placeholder tokens are in
     #: ``prompt_token_ids``
     mm_features: list[Any] | None = None
+    #: scheduling priority under ``scheduling_policy="priority"``: lower runs first (vLLM's)
+    priority: int = 0
 
 
 class Request:
@@ -77,8 +79,10 @@ class Request:
         prompt_embeds: Any = None,
         lora_request: Any = None,
         mm_features: list[Any] | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.priority = priority
         self.prompt_embeds = prompt_embeds
         #: multimodal items in prompt order (their hashes enter the block hashes of their blocks)
         self.mm_features: list[Any] = mm_features or []
@@ -132,7 +136,8 @@ class Request:
         if max_tokens is None:
             max_tokens = max_model_len - len(req.prompt_token_ids)
         return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.arrival_time, max_tokens,
-                   prompt_embeds=req.prompt_embeds, lora_request=req.lora_request, mm_features=req.mm_features)
+                   prompt_embeds=req.prompt_embeds, lora_request=req.lora_request, mm_features=req.mm_features,
+                   priority=req.priority)
 
     @property
     def num_tokens(self) -> int:

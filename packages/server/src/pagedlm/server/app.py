@@ -4,8 +4,11 @@ Routes (OpenAI's, then vLLM's):
   POST /v1/completions  POST /v1/chat/completions  GET /v1/models  GET /v1/models/{model}
   POST /v1/chat/completions/batch (vLLM's)
   POST /tokenize  POST /detokenize  GET /health  GET /version  GET /metrics
-With an API key set, every /v1 route and /tokenize, /detokenize and /metrics need
-``Authorization: Bearer KEY``; /health and /version stay open for load balancers.
+  POST /v1/embeddings, POST /pooling (pooling models; serving_embedding.py)
+  POST /v1/responses (text; serving_responses.py)
+  POST /sleep  POST /wake_up  GET /is_sleeping (with --enable-sleep-mode; serving_sleep.py)
+With an API key set, every /v1 route and /tokenize, /detokenize, /metrics, /pooling and the sleep
+routes need ``Authorization: Bearer KEY``; /health and /version stay open for load balancers.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pagedlm.server.serving_chat_batch import create_batch_chat_completion
 from pagedlm.server.serving_common import ServerState, check_model, check_text_length, get_state, off_loop
 from pagedlm.server.serving_completion import create_completion
 
-_PROTECTED_EXACT = ("/tokenize", "/detokenize", "/metrics")
+_PROTECTED_EXACT = ("/tokenize", "/detokenize", "/metrics", "/pooling", "/sleep", "/wake_up", "/is_sleeping")
 # Bodies above this are refused (a prompt this long cannot fit a context): at once when the
 # Content-Length says so, else as soon as this many bytes have arrived.
 MAX_BODY_BYTES = 64 * 2**20
@@ -221,4 +224,9 @@ def build_app(state: ServerState) -> FastAPI:
         payload = generate_latest(collector.registry) if collector is not None else b""
         return Response(payload, media_type=CONTENT_TYPE_LATEST)
 
+    from pagedlm.server import serving_embedding, serving_responses, serving_sleep
+
+    app.include_router(serving_embedding.router)
+    app.include_router(serving_responses.router)
+    app.include_router(serving_sleep.router)
     return app

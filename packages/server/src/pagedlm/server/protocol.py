@@ -30,9 +30,10 @@ MAX_LOGPROBS = 20
 
 # Integer fields (or lists of integers): JSON Schema, and so the schema we publish, counts 2.0
 # as an integer, so 2.0 is accepted there as 2 (2.5 and "2" are still refused).
-_INT_FIELDS = frozenset({"n", "seed", "top_k", "min_tokens", "max_tokens", "logprobs", "best_of",
+_INT_FIELDS = frozenset({"n", "seed", "priority", "top_k", "min_tokens", "max_tokens", "logprobs", "best_of",
                          "max_completion_tokens", "top_logprobs", "stop_token_ids", "prompt", "tokens",
-                         "prompt_logprobs", "truncate_prompt_tokens"})
+                         "prompt_logprobs", "truncate_prompt_tokens", "input", "dimensions",
+                         "max_output_tokens"})
 
 
 #: the pydantic error type of text that cannot be encoded as UTF-8 (errors.py reports it first)
@@ -109,7 +110,12 @@ class SamplingFields(OpenAIModel):
                                  "vocabulary, within --max-logprobs); not with stream=true")
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, description="keep at most this many prompt tokens (-1: max_model_len - 1)")
-    use_beam_search: bool | None = Field(None, description="vLLM's beam search: not supported (must be false)")
+    use_beam_search: bool | None = Field(
+        None, description="vLLM's beam search (/v1/completions only): the n best beams of width n, not streamed")
+    length_penalty: float | None = Field(None, description="beam search: scores divide by length ** length_penalty")
+    priority: int | None = Field(
+        None, ge=INT64_MIN, le=INT64_MAX,
+        description="vLLM's scheduling priority (lower first); nonzero needs --scheduling-policy priority")
     return_tokens_as_token_ids: bool | None = Field(
         None, description="write the tokens of logprobs as 'token_id:<id>' (for tokens that are not valid text alone)")
     kv_transfer_params: dict[Text, Any] | None = Field(
@@ -221,6 +227,52 @@ class DetokenizeRequest(OpenAIModel):
     tokens: list[int]
 
 
+class EmbeddingRequest(OpenAIModel):
+    """POST /v1/embeddings (OpenAI's, plus vLLM's extensions); /pooling takes the same body."""
+
+    model: Text | None = None
+    input: Text | list[Text] | list[int] | list[list[int]] = Field(
+        description="a string, a list of strings, a list of token ids or a list of lists of token ids")
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: int | None = Field(None, ge=1, le=INT64_MAX,
+                                   description="shorten the embeddings (matryoshka models only)")
+    user: Text | None = None
+    # vLLM extensions
+    normalize: bool | None = Field(None, description="L2-normalize (default: the model's pooler says)")
+    add_special_tokens: bool | None = None
+    priority: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+
+
+class ResponsesInputMessage(OpenAIModel):
+    type: Literal["message"] | None = None
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[dict[str, Any]]
+
+
+class ResponsesRequest(OpenAIModel):
+    """POST /v1/responses: text input and output (OpenAI's Responses API)."""
+
+    model: Text | None = None
+    input: Text | list[ResponsesInputMessage]
+    instructions: Text | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool | None = None
+    store: bool | None = None
+    user: Text | None = None
+    metadata: dict[str, Text] | None = None
+    # accepted so that they can be refused by name (serving_responses)
+    tools: list[Any] | None = None
+    previous_response_id: Text | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    # vLLM extensions
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
+    seed: int | None = Field(None, ge=INT64_MIN, le=MAX_SEED)
+    priority: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+
+
 def _field_names(*models: type[BaseModel]) -> frozenset[str]:
     names: set[str] = set()
     for model in models:
@@ -230,11 +282,13 @@ def _field_names(*models: type[BaseModel]) -> frozenset[str]:
 
 #: every field name of every request model (tells field names from pydantic's union-member tags)
 FIELD_NAMES = _field_names(StreamOptions, CompletionRequest, ChatContentPart, ChatMessage,
-                           ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+                           ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, EmbeddingRequest,
+                           ResponsesRequest)
 
 #: what a field that is a union of types accepts, for error messages
 UNION_FIELDS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
     "stop": "a string or a list of strings",
+    "input": "a string, a list of strings, a list of token ids or a list of lists of token ids",
     "content": "a string or a list of content parts ({\"type\": \"text\", \"text\": ...})",
 }

@@ -22,6 +22,7 @@ from pagedlm.server.serving_common import (
     SSEResponse,
     bad_request,
     check_engine,
+    check_generative,
     check_model,
     check_sequences,
     check_text_length,
@@ -32,6 +33,7 @@ from pagedlm.server.serving_common import (
     off_loop,
     prompt_logprobs_body,
     random_id,
+    request_priority,
     sse,
     sse_error,
     token_text,
@@ -144,6 +146,10 @@ def chat_params(state: ServerState, req: ChatCompletionRequest
     tool choice, the field the params' structured outputs come from)."""
     check_model(state, req.model)
     check_engine(state)
+    check_generative(state, "Chat Completions API (/v1/chat/completions)")
+    if req.use_beam_search:
+        raise APIError("use_beam_search=true is supported on /v1/completions only; leave it false here",
+                       param="use_beam_search")
     tool_choice = resolve_tool_choice(req, auto_tool_parser=state.tool_call_parser)
     structured, structured_param = request_params(req, req.response_format)
     if tool_choice.structured_outputs is not None:
@@ -198,7 +204,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     else:
         prompt, text, token_ids = multimodal
     request_id = random_id("chatcmpl")
-    gen = state.engine.generate(prompt, params, request_id, lora_request=state.lora_request(req.model))
+    priority = request_priority(state, req)
+    gen = state.engine.generate(prompt, params, request_id, lora_request=state.lora_request(req.model),
+                                priority=priority)
     builder = _ChatBuilder(state, request_id, int(time.time()), num_logprobs, token_ids,
                            return_ids=bool(req.return_token_ids), prompt_logprobs=req.prompt_logprobs is not None,
                            echo=echo_text(req, req.messages), as_ids=bool(req.return_tokens_as_token_ids),

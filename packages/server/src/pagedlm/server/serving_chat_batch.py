@@ -19,7 +19,15 @@ from pagedlm.core.outputs import RequestOutput
 from pagedlm.server.errors import APIError, error_response
 from pagedlm.server.protocol import BatchChatCompletionRequest
 from pagedlm.server.serving_chat import _ChatBuilder, chat_params, chat_prompt, echo_text
-from pagedlm.server.serving_common import ServerState, check_sequences, engine_dead, merge, random_id, until_disconnect
+from pagedlm.server.serving_common import (
+    ServerState,
+    check_sequences,
+    engine_dead,
+    merge,
+    random_id,
+    request_priority,
+    until_disconnect,
+)
 from pagedlm.server.structured import check_compiles
 
 
@@ -38,9 +46,10 @@ async def create_batch_chat_completion(state: ServerState, req: BatchChatComplet
     check_sequences(state, len(req.messages), 1)
     prompts = [await chat_prompt(state, req, conversation, params, param=f"messages[{i}]")
                for i, conversation in enumerate(req.messages)]
+    priority = request_priority(state, req)
     request_id = random_id("chatcmpl")
     gens = [state.engine.generate({"prompt": text, "prompt_token_ids": ids}, params, f"{request_id}_{i}",
-                                  lora_request=state.lora_request(req.model))
+                                  lora_request=state.lora_request(req.model), priority=priority)
             for i, (text, ids) in enumerate(prompts)]
 
     async def collect() -> list[RequestOutput | None]:

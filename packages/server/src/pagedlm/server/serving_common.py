@@ -127,6 +127,13 @@ def check_model(state: ServerState, model: str | None) -> None:
                        status=404, param="model", code="model_not_found")
 
 
+def check_generative(state: ServerState, api: str) -> None:
+    """A 400 when the served model is a pooling model (``api`` needs a generative one)."""
+    if state.engine.model_config.runner == "pooling":
+        raise APIError(f"The model {state.model_name!r} is a pooling (embedding) model and does not support the "
+                       f"{api}; use /v1/embeddings or /pooling, or serve it with --runner generate")
+
+
 def check_engine(state: ServerState) -> None:
     dead = state.engine.dead_error
     if dead is not None:
@@ -208,9 +215,6 @@ def parse_logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
 def make_sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None, stream: bool) -> SamplingParams:
     """SamplingParams from the request; ``SamplingParams``' own checks become 400s."""
-    if req.use_beam_search:
-        raise APIError("use_beam_search=true is not supported by this server: it samples (or decodes greedily) "
-                       "only; leave it false", param="use_beam_search")
     top_k = req.top_k if req.top_k not in (None, 0) else -1  # vLLM: 0 and -1 both disable
     kwargs: dict[str, Any] = dict(
         n=req.n or 1,
@@ -243,6 +247,18 @@ def make_sampling_params(req: SamplingFields, *, max_tokens: int | None, logprob
         return SamplingParams(**kwargs)
     except ValueError as e:
         raise bad_request(e) from None
+
+
+def request_priority(state: ServerState, req: SamplingFields) -> int:
+    """The request's ``priority`` (0 when left out); nonzero under fcfs is a 400, as in vLLM."""
+    from pagedlm.core.engine.processor import check_priority
+
+    priority = req.priority or 0
+    try:
+        check_priority(priority, state.engine.scheduling_policy)
+    except ValueError as e:
+        raise APIError(str(e), param="priority") from None
+    return priority
 
 
 def bad_request(e: ValueError, *, prompt_param: str = "prompt") -> APIError:

@@ -20,12 +20,14 @@ from pagedlm.core.sampling_params import SamplingParams
 from pagedlm.server.errors import APIError, error_response, logger
 from pagedlm.server.prompt_embeds import decode_prompt_embeds, prompt_embeds_items
 from pagedlm.server.protocol import CompletionRequest
+from pagedlm.server.serving_beam import beam_search_outputs, beam_search_params
 from pagedlm.server.serving_common import (
     SSE_DONE,
     ServerState,
     SSEResponse,
     bad_request,
     check_engine,
+    check_generative,
     check_model,
     check_sequences,
     check_text_length,
@@ -37,6 +39,7 @@ from pagedlm.server.serving_common import (
     off_loop,
     prompt_logprobs_body,
     random_id,
+    request_priority,
     sse,
     sse_error,
     token_text,
@@ -134,6 +137,7 @@ def _prepare(state: ServerState, req: CompletionRequest, params: SamplingParams,
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Any:
     check_model(state, req.model)
     check_engine(state)
+    check_generative(state, "Completions API (/v1/completions)")
     if req.prompt is None and req.prompt_embeds is None:
         raise APIError("prompt is required (or prompt_embeds)", param="prompt")
     if req.suffix is not None:
@@ -153,6 +157,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         raise APIError("prompt_logprobs are not available with stream=true", param="prompt_logprobs")
     if num_prompt_logprobs is None and echo:
         num_prompt_logprobs = num_logprobs
+    beam_params = (beam_search_params(req, n, req.max_tokens or DEFAULT_MAX_TOKENS, stream)
+                   if req.use_beam_search else None)
     params = make_sampling_params(req, max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, logprobs=num_logprobs,
                                   prompt_logprobs=num_prompt_logprobs, stream=stream)
     params.structured_outputs, structured_param = request_params(req)
@@ -165,11 +171,21 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         if isinstance(text, str):
             check_text_length(state, len(text), _where(req, i))
     prompts = await off_loop(_prepare, state, req, params, raw_prompts)
+    priority = request_priority(state, req)
     request_id = random_id("cmpl")
     created = int(time.time())
+    if beam_params is not None:
+        builder = _Builder(state, req, prompts, n, echo, request_id, created, None)
+        try:
+            beams = await until_disconnect(raw, beam_search_outputs(state, prompts, beam_params, request_id, priority))
+        except EngineDeadError as e:
+            return error_response(engine_dead(e))
+        if beams is None:
+            return JSONResponse({}, status_code=499)
+        return JSONResponse(builder.response(beams))
     gens = [
         state.engine.generate(p.engine_input(), params, f"{request_id}-{i}",
-                              lora_request=state.lora_request(req.model))
+                              lora_request=state.lora_request(req.model), priority=priority)
         for i, p in enumerate(prompts)
     ]
     builder = _Builder(state, req, prompts, n, echo, request_id, created, num_logprobs)

@@ -380,6 +380,12 @@ class CudaModelRunner(ModelRunner):
         logger.info("profiling run: %d tokens, peak %.2f GiB allocated (%.2fs)", n,
                     torch.cuda.max_memory_allocated(self.device) / 2**30, time.perf_counter() - start)
 
+    def release_device_graphs(self) -> None:
+        # sleep mode: the graphs read the weights', the KV cache's and their pool's addresses; they
+        # are captured again by initialize_kv_cache on wake (worker/sleep.py)
+        self._graphs.clear()
+        self._graph_logits = None
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         super().initialize_kv_cache(num_blocks)
         if self.use_graphs:

@@ -47,6 +47,8 @@ _HELP = {
     "gains from it, e.g. CUDA, with one process)",
     "stream_interval": "streamed outputs carry at least this many new tokens (the first token and the last "
     "output are sent at once); larger values cost less host time per token (vLLM's --stream-interval)",
+    "scheduling_policy": "fcfs (first come, first served) or priority (by each request's priority, lower "
+    "first, ties by arrival; preemption evicts the lowest priority first)",
     "tensor_parallel_size": "ranks per tensor-parallel group",
     "pipeline_parallel_size": "pipeline stages",
     "data_parallel_size": "engine replicas",
@@ -73,6 +75,13 @@ _HELP = {
     "allowed_local_media_path": "multimodal chat: the directory file:// image URLs may read (default: none)",
     "allowed_media_domains": "multimodal chat: hosts http(s) image URLs may be fetched from (default: none; "
     "fetch limits: VLLM_IMAGE_FETCH_TIMEOUT seconds, PAGEDLM_MAX_IMAGE_FETCH_BYTES)",
+    "enable_sleep_mode": "allow sleep()/wake_up() (the server's /sleep, /wake_up, /is_sleeping): free the device "
+    "memory of weights and KV cache between uses",
+    "runner": "generate, pooling (an embedding model: LLM.embed, /v1/embeddings) or auto",
+    "convert": "embed: run a generative checkpoint as an embedding model (runner pooling); auto or none",
+    "task": "vLLM's older option: embed (= --runner pooling) or generate",
+    "pooler_config": 'JSON object of vLLM\'s PoolerConfig, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
+    "(default: the checkpoint's sentence-transformers config, else LAST and normalize)",
     "enable_prompt_embeds": "accept {'prompt_embeds': tensor} prompts (embeddings instead of token ids)",
     "kv_transfer_config": 'JSON object of vLLM\'s KVTransferConfig: \'{"kv_connector": NAME, "kv_role": '
     '"kv_producer"|"kv_consumer"|"kv_both", "kv_connector_extra_config": {...}}\' (docs/distributed.md)',
@@ -125,6 +134,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     async_scheduling: bool | None = None
     stream_interval: int = 1
+    scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -147,6 +157,11 @@ class EngineArgs:
     limit_mm_per_prompt: dict[str, int] | None = None
     allowed_local_media_path: str = ""
     allowed_media_domains: list[str] | None = None
+    enable_sleep_mode: bool = False
+    runner: str = "auto"
+    convert: str = "auto"
+    task: str = "auto"
+    pooler_config: dict[str, Any] | None = None
     profiler_config: dict[str, Any] | ProfilerConfig | None = None
     enable_lora: bool = False
     max_loras: int = 1
@@ -202,6 +217,11 @@ class EngineArgs:
                 limit_mm_per_prompt=self.limit_mm_per_prompt,
                 allowed_local_media_path=self.allowed_local_media_path,
                 allowed_media_domains=self.allowed_media_domains,
+                enable_sleep_mode=self.enable_sleep_mode,
+                runner=self.runner,
+                convert=self.convert,
+                task=self.task,
+                pooler_config=self.pooler_config,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -224,6 +244,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 async_scheduling=self.async_scheduling,
                 stream_interval=self.stream_interval,
+                policy=self.scheduling_policy,
             ),
             load_config=LoadConfig(load_format=self.load_format),
             device_config=DeviceConfig(device=self.device),

@@ -31,7 +31,7 @@ from pagedlm.core.config import ModelConfig, VllmConfig
 from pagedlm.core.engine.arg_utils import EngineArgs
 from pagedlm.core.engine.async_client import AsyncInprocClient, AsyncMPClient, EngineDeadError
 from pagedlm.core.engine.dp_client import AsyncDPClient
-from pagedlm.core.engine.llm_engine import fan_out, output_prompt_ids
+from pagedlm.core.engine.llm_engine import fan_out, finish_reason_of, output_prompt_ids
 from pagedlm.core.engine.output_processor import OutputProcessor
 from pagedlm.core.engine.processor import Processor, PromptType
 from pagedlm.core.engine.tokenizer import get_tokenizer
@@ -43,7 +43,9 @@ from pagedlm.core.metrics import (
     RequestStatsTracker,
     StatLoggerBase,
 )
-from pagedlm.core.outputs import RequestOutput
+from pagedlm.core.outputs import PoolingRequestOutput, RequestOutput
+from pagedlm.core.pooling_params import PoolingParams, check_runner, pooling_request
+from pagedlm.core.request import EngineCoreRequest
 from pagedlm.core.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -89,7 +91,8 @@ class AsyncLLM:
                                            revision=mc.revision, architectures=mc.architectures)
         self.processor = Processor(vllm_config, self.tokenizer)
         self.output_processor = OutputProcessor(
-            self.tokenizer, stream_interval=vllm_config.scheduler_config.stream_interval)
+            self.tokenizer, stream_interval=vllm_config.scheduler_config.stream_interval,
+            pooler_normalize=mc.pooler_normalize)
         self.stat_loggers: list[StatLoggerBase] = list(stat_loggers)
         if log_stats:
             self.stat_loggers.append(LoggingStatLogger())
@@ -136,6 +139,10 @@ class AsyncLLM:
     @property
     def vocab_size(self) -> int:
         return self.processor.vocab_size
+
+    @property
+    def scheduling_policy(self) -> str:
+        return self.vllm_config.scheduler_config.policy
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -192,6 +199,7 @@ class AsyncLLM:
         *,
         add_special_tokens: bool = True,
         lora_request: Any = None,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield ``RequestOutput`` s of one request until it is finished.
 
@@ -203,11 +211,49 @@ class AsyncLLM:
         self._ensure_running()
         if request_id in self._queues:
             raise ValueError(f"request_id={request_id!r} is already in the engine")
-        arrival = time.monotonic()
+        check_runner(self.vllm_config.model_config, "generate", "AsyncLLM.generate")
         if self.lora_registry.needs_check(lora_request):
             await self.add_lora(lora_request)
         core_request, text = self.processor.process(request_id, prompt, sampling_params,
-                                                    add_special_tokens=add_special_tokens, lora_request=lora_request)
+                                                    add_special_tokens=add_special_tokens, lora_request=lora_request,
+                                                    priority=priority)
+        submitted = self._submit(core_request, text)
+        try:
+            async for out in submitted:
+                yield out
+        finally:
+            # NOTE: closes it at once (aborting the request) when our consumer stops early
+            await submitted.aclose()
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """A pooling model's output for one prompt (vLLM's ``AsyncLLM.encode``): one final
+        ``PoolingRequestOutput``. Raises ``ValueError`` for invalid input before anything is queued."""
+        self._ensure_running()
+        if request_id in self._queues:
+            raise ValueError(f"request_id={request_id!r} is already in the engine")
+        core_request, text = pooling_request(self.processor, self.vllm_config.model_config, request_id, prompt,
+                                             pooling_params, priority=priority)
+        submitted = self._submit(core_request, text, pooling_params)
+        try:
+            async for out in submitted:
+                yield out
+        finally:
+            await submitted.aclose()
+
+    async def _submit(self, core_request: EngineCoreRequest, text: str | None,
+                      pooling_params: PoolingParams | None = None) -> AsyncGenerator[Any, None]:
+        """Queue a processed request and yield its outputs until it finishes (aborts it if the
+        consumer stops early)."""
+        request_id = core_request.request_id
+        arrival = time.monotonic()
+        sampling_params = core_request.sampling_params
         while self._paused:  # validated, and held back until resume_generation
             await self._resume_event().wait()
             self._ensure_running()
@@ -218,7 +264,7 @@ class AsyncLLM:
         self._queues[request_id] = queue
         self.output_processor.add_request(
             request_id, text, output_prompt_ids(core_request), core_request.sampling_params,
-            [c.request_id for c in children], [c.sampling_params for c in children],
+            [c.request_id for c in children], [c.sampling_params for c in children], pooling_params=pooling_params,
         )
         self._tracker.add(request_id, [c.request_id for c in children], len(core_request.prompt_token_ids),
                           arrival, n=sampling_params.n, max_tokens=core_request.sampling_params.max_tokens)
@@ -344,6 +390,19 @@ class AsyncLLM:
         self._record(None, stats)
         self.engine_core.abort_requests_nowait(child_ids)
 
+    # -- sleep mode (enable_sleep_mode) --------------------------------------------------------
+    async def sleep(self, level: int = 1) -> None:
+        """Free the workers' device memory (``LLM.sleep``); requests that arrive meanwhile wait
+        until :meth:`wake_up`."""
+        await self.engine_core.call_utility_async("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.engine_core.call_utility_async("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        result = await self.engine_core.call_utility_async("is_sleeping")
+        return any(result) if isinstance(self.engine_core, AsyncDPClient) else bool(result)
+
     # -- engine-core utilities ---------------------------------------------------------------
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block; False while requests hold blocks."""
@@ -406,7 +465,7 @@ class AsyncLLM:
                     self._tracker.finish_children(to_abort, "stop", now, stats)
                 for out in request_outputs:
                     if out.finished:
-                        reason = "error" if out.error else (out.outputs[0].finish_reason or "stop")
+                        reason = finish_reason_of(out)
                         self._tracker.finish(out.request_id, reason, now, stats)
                     queue = self._queues.get(out.request_id)
                     if queue is not None:

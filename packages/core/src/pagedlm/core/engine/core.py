@@ -74,10 +74,14 @@ class EngineCore:
             encoder_cache=make_encoder_cache_manager(vllm_config),
             structured_output_manager=StructuredOutputManager(vllm_config),
             speculative_config=vllm_config.speculative_config,
+            policy=sc.policy,
         )
         self._stats_listeners: list[StatsListener] = []
         #: ``pause_scheduler``: nothing new is scheduled (batches in flight still finish)
         self.paused = False
+        #: sleep mode: the parts asleep ("weights", "kv_cache"); the scheduler is paused meanwhile
+        self.sleeping_tags: set[str] = set()
+        self._paused_before_sleep = False
         depth = 2 if sc.async_scheduling else pipeline_depth
         self.batch_queue: deque[tuple[Future, SchedulerOutput]] | None = deque() if depth > 1 else None
         self.batch_queue_size = depth
@@ -148,13 +152,50 @@ class EngineCore:
     def pause_scheduler(self) -> None:
         """Schedule nothing until :meth:`resume_scheduler`; requests keep their state and blocks
         (``AsyncLLM.pause_generation(mode="keep")``)."""
+        if self.sleeping_tags:
+            self._paused_before_sleep = True  # stays paused after the wake-up
         self.paused = True
 
     def resume_scheduler(self) -> None:
+        if self.sleeping_tags:
+            self._paused_before_sleep = False  # resumes with the wake-up, not before
+            return
         self.paused = False
 
     def is_paused(self) -> bool:
         return self.paused
+
+    # -- sleep mode (enable_sleep_mode) ------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the workers' device memory (worker/sleep.py). Refused while requests are in the
+        engine; requests that arrive while asleep wait (nothing is scheduled) until wake_up."""
+        if not self.vllm_config.model_config.enable_sleep_mode:
+            raise ValueError("sleep mode is off: start the engine with enable_sleep_mode=True (--enable-sleep-mode)")
+        if level not in (1, 2):
+            raise ValueError(f"level={level!r} must be 1 (weights to host memory) or 2 (weights dropped)")
+        if self.scheduler.has_unfinished_requests():
+            raise RuntimeError(f"cannot sleep with {self.scheduler.get_num_unfinished_requests()} request(s) in "
+                               "the engine: let them finish (or abort them) first")
+        if self.sleeping_tags:
+            return  # already asleep (vLLM's sleep is idempotent too)
+        self._drain_batch_queue()
+        # NOTE: the KV cache comes back empty: no cached prefix may survive the sleep
+        self.scheduler.kv_cache_manager.reset_prefix_cache()
+        self.executor.collective_rpc("sleep", None, (level,), None)
+        self.sleeping_tags = {"weights", "kv_cache"}
+        self._paused_before_sleep, self.paused = self.paused, True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore ``tags`` ("weights", "kv_cache"; None: both); scheduling resumes once all are back."""
+        if not self.sleeping_tags:
+            return
+        self.executor.collective_rpc("wake_up", None, (list(tags) if tags is not None else None,), None)
+        self.sleeping_tags -= set(tags) if tags is not None else set(self.sleeping_tags)
+        if not self.sleeping_tags:
+            self.paused = self._paused_before_sleep
+
+    def is_sleeping(self) -> bool:
+        return bool(self.sleeping_tags)
 
     # -- stepping ---------------------------------------------------------------------------
     def add_stats_listener(self, listener: StatsListener) -> None:

@@ -41,7 +41,7 @@ _IDLE_POLL_MS = 1000
 _BUSY_PARENT_CHECK_S = 2.0
 # The EngineCore methods a UTILITY call may run (their arguments and results are msgpack values).
 _UTILITY_METHODS = frozenset({"pause_scheduler", "resume_scheduler", "is_paused", "reset_prefix_cache", "profile",
-                              "collective_rpc", "lora_targets"})
+                              "collective_rpc", "lora_targets", "sleep", "wake_up", "is_sleeping"})
 
 
 def run_engine_core(vllm_config: VllmConfig, input_addr: str, output_addr: str) -> None:

@@ -43,6 +43,7 @@ def fan_out(core_request: EngineCoreRequest) -> list[EngineCoreRequest]:
             request_id=f"{i}_{core_request.request_id}", prompt_token_ids=core_request.prompt_token_ids,
             sampling_params=child_params, arrival_time=core_request.arrival_time,
             prompt_embeds=core_request.prompt_embeds, lora_request=core_request.lora_request,
+            priority=core_request.priority,
         ))
     return children
 
@@ -68,7 +69,8 @@ class LLMEngine:
             self.engine_core = InprocClient(vllm_config)
         self.processor = Processor(vllm_config, self.tokenizer)
         self.output_processor = OutputProcessor(
-            self.tokenizer, stream_interval=vllm_config.scheduler_config.stream_interval)
+            self.tokenizer, stream_interval=vllm_config.scheduler_config.stream_interval,
+            pooler_normalize=mc.pooler_normalize)
         #: request statistics for get_metrics (per output of every step: off unless asked for)
         self._tracker = RequestStatsTracker() if log_stats else None
         self._collector = MetricsCollector(vllm_config.model_config.name, vllm_config.max_model_len)
@@ -78,6 +80,8 @@ class LLMEngine:
         self.lora_registry = LoRARegistry(vllm_config.lora_config)
         if vllm_config.lora_config is not None:
             self.lora_registry.set_targets(self.collective_rpc("lora_targets"))
+        #: sleep mode: asleep (LLM.sleep) until every part is awake again
+        self.sleeping = False
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -98,7 +102,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                     arrival_time: float | None = None, add_special_tokens: bool = True,
-                    lora_request: Any = None) -> None:
+                    lora_request: Any = None, priority: int = 0) -> None:
         """Validate and queue a request; raises ValueError for bad input (nothing is queued)."""
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id={request_id!r} is already in the engine")
@@ -106,17 +110,21 @@ class LLMEngine:
             self.add_lora(lora_request)
         core_request, text = self.processor.process(request_id, prompt, params, arrival_time=arrival_time,
                                                     add_special_tokens=add_special_tokens,
-                                                    lora_request=lora_request)
+                                                    lora_request=lora_request, priority=priority)
         self.add_processed_request(core_request, text)
 
-    def add_processed_request(self, core_request: EngineCoreRequest, text: str | None) -> None:
-        """Queue a request that ``self.processor.process`` already validated."""
+    def add_processed_request(self, core_request: EngineCoreRequest, text: str | None,
+                              pooling_params: Any = None) -> None:
+        """Queue a request that ``self.processor.process`` already validated (a pooling request
+        with its ``PoolingParams``)."""
+        if self.sleeping:
+            raise ValueError("the engine is sleeping (LLM.sleep): call wake_up() before generating")
         request_id = core_request.request_id
         params = core_request.sampling_params
         children = fan_out(core_request)
         self.output_processor.add_request(
             request_id, text, output_prompt_ids(core_request), params,
-            [c.request_id for c in children], [c.sampling_params for c in children],
+            [c.request_id for c in children], [c.sampling_params for c in children], pooling_params=pooling_params,
         )
         if self._tracker is not None:
             self._tracker.add(request_id, [c.request_id for c in children], len(core_request.prompt_token_ids),
@@ -143,7 +151,7 @@ class LLMEngine:
                 self._tracker.finish_children(to_abort, "stop", now, stats)
             for out in request_outputs:
                 if out.finished:
-                    reason = "error" if out.error else (out.outputs[0].finish_reason or "stop")
+                    reason = finish_reason_of(out)
                     self._tracker.finish(out.request_id, reason, now, stats)
             self._collector.record(None, stats)
         return request_outputs
@@ -168,6 +176,22 @@ class LLMEngine:
         if self.vllm_config.lora_config is None:
             return set()
         return set(self.collective_rpc("list_loras")[0])
+
+    # -- sleep mode -----------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory of weights and KV cache (see ``LLM.sleep``)."""
+        self._inproc_core("sleep").sleep(level)
+        self.sleeping = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        core = self._inproc_core("wake_up")
+        core.wake_up(tags)
+        self.sleeping = core.is_sleeping()
+
+    def _inproc_core(self, what: str) -> Any:
+        if not isinstance(self.engine_core, InprocClient):
+            raise ValueError(f"{what} is not supported with data parallelism (data_parallel_size > 1)")
+        return self.core
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block; False (nothing reset) while requests hold blocks."""
@@ -205,6 +229,13 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+
+
+def finish_reason_of(out: Any) -> str:
+    """A finished output's reason for the request statistics (a pooling output just finished)."""
+    if not isinstance(out, RequestOutput):
+        return "stop"
+    return "error" if out.error else (out.outputs[0].finish_reason or "stop")
 
 
 def _apply_to_model(worker: Any, func: Callable[[Any], Any]) -> Any:

@@ -14,7 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedlm.core.engine.detokenizer import Decode, IncrementalDetokenizer, make_decode
-from pagedlm.core.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from pagedlm.core.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PromptLogprobs,
+    RequestOutput,
+    SampleLogprobs,
+)
+from pagedlm.core.pooling_params import PoolingParams
 from pagedlm.core.sampling_params import RequestOutputKind, SamplingParams
 from pagedlm.core.sched import EngineCoreOutput
 
@@ -56,6 +65,9 @@ class _RequestState:
     ordered: list[_SequenceState] = field(default_factory=list)
     #: whether it sends outputs before it finishes (DELTA or CUMULATIVE)
     streams: bool = False
+    #: a pooling request's parameters (it ends with a PoolingRequestOutput), else None
+    pooling_params: PoolingParams | None = None
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -63,11 +75,13 @@ class _RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any | None, *, stream_interval: int = 1) -> None:
+    def __init__(self, tokenizer: Any | None, *, stream_interval: int = 1, pooler_normalize: bool = True) -> None:
         if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
             raise ValueError(f"stream_interval={stream_interval!r} is invalid: must be an integer >= 1 "
                              "(tokens per streamed output)")
         self.tokenizer = tokenizer
+        #: a pooling model's default normalization of embeddings
+        self.pooler_normalize = pooler_normalize
         #: a streamed request gets an output once at least this many new tokens collected
         self.stream_interval = stream_interval
         self.requests: dict[str, _RequestState] = {}
@@ -86,7 +100,8 @@ class OutputProcessor:
         return decoder
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                    params: SamplingParams, child_ids: list[str], child_params: list[SamplingParams]) -> None:
+                    params: SamplingParams, child_ids: list[str], child_params: list[SamplingParams],
+                    pooling_params: PoolingParams | None = None) -> None:
         sequences = {}
         for index, (child_id, p) in enumerate(zip(child_ids, child_params)):
             detok = None
@@ -106,7 +121,7 @@ class OutputProcessor:
         self.requests[request_id] = _RequestState(
             request_id, prompt, prompt_token_ids, params, sequences, num_unfinished=len(sequences),
             ordered=sorted(sequences.values(), key=lambda s: s.index),
-            streams=params.output_kind != RequestOutputKind.FINAL_ONLY,
+            streams=params.output_kind != RequestOutputKind.FINAL_ONLY, pooling_params=pooling_params,
         )
 
     def has_unfinished_requests(self) -> bool:
@@ -163,6 +178,8 @@ class OutputProcessor:
                 state.error = out.error
             if out.kv_transfer_params is not None:
                 state.kv_transfer_params = out.kv_transfer_params
+            if out.pooling_output is not None:
+                state.pooled = out.pooling_output
             new_token_ids = out.new_token_ids
             seq.token_ids += new_token_ids
             if out.new_logprobs is not None and seq.logprobs is not None:
@@ -197,8 +214,19 @@ class OutputProcessor:
                     parent_of.pop(child_id, None)
             elif not state.streams or (interval > 1 and not self._interval_reached(state)):
                 continue
-            results.append(self._make_output(state, finished))
+            results.append(self._make_output(state, finished) if state.pooling_params is None
+                           else self._make_pooling_output(state))
         return results, to_abort
+
+    def _make_pooling_output(self, state: _RequestState) -> Any:
+        """A finished pooling request's ``PoolingRequestOutput`` (a ``RequestOutput`` with the
+        error when it failed or was aborted before its prompt was pooled)."""
+        if state.pooled is None:
+            return self._make_output(state, True)
+        assert state.pooling_params is not None
+        data = state.pooling_params.finish(state.pooled, self.pooler_normalize)
+        return PoolingRequestOutput(state.request_id, PoolingOutput(data), list(state.prompt_token_ids or []),
+                                    True, state.num_cached_tokens)
 
     def _interval_reached(self, state: _RequestState) -> bool:
         """Whether a sequence of the request has its first token, or ``stream_interval`` tokens,

@@ -16,11 +16,22 @@ from pagedlm.core.text import utf8_problem
 PromptType = str | Mapping[str, Any]
 
 
+def check_priority(priority: object, policy: str) -> None:
+    """A request's ``priority``: an integer, and nonzero only under the priority policy (as vLLM)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority={priority!r} must be an integer (lower values are scheduled first)")
+    if priority != 0 and policy != "priority":
+        raise ValueError(f"priority={priority} was given but priority scheduling is not enabled "
+                         f"(scheduling_policy={policy!r}); start the engine with scheduling_policy='priority' "
+                         "(--scheduling-policy priority) or leave priority at 0")
+
+
 class Processor:
     def __init__(self, vllm_config: VllmConfig, tokenizer: Any | None) -> None:
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
         self.max_model_len = vllm_config.max_model_len
+        self.scheduling_policy = vllm_config.scheduler_config.policy
         self.vocab_size = self.model_config.vocab_size
         self.tokenizer = tokenizer
         self.eos_token_ids = set(self.model_config.eos_token_ids)
@@ -86,10 +97,12 @@ class Processor:
         arrival_time: float | None = None,
         add_special_tokens: bool = True,
         lora_request: Any = None,
+        priority: int = 0,
     ) -> tuple[EngineCoreRequest, str | None]:
         """``lora_request`` must have passed the engine's ``LoRARegistry.check``."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        check_priority(priority, self.scheduling_policy)
         embeds = mm_features = None
         if isinstance(prompt, Mapping) and "prompt_embeds" in prompt:
             embeds = self._prompt_embeds(prompt, params)
@@ -119,6 +132,7 @@ class Processor:
             prompt_embeds=embeds,
             lora_request=lora_request,
             mm_features=mm_features,
+            priority=priority,
         )
         return request, text
 

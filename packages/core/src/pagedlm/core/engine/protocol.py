@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from pagedlm.core.engine.async_client import EngineDeadError
     from pagedlm.core.engine.processor import PromptType
     from pagedlm.core.metrics import EngineStatsSnapshot
-    from pagedlm.core.outputs import RequestOutput
+    from pagedlm.core.outputs import PoolingRequestOutput, RequestOutput
+    from pagedlm.core.pooling_params import PoolingParams
     from pagedlm.core.sampling_params import SamplingParams
 
 
@@ -50,7 +51,8 @@ class EngineClient(Protocol):
 
     # -- requests --------------------------------------------------------------------------------
     def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
-                 add_special_tokens: bool = True, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
+                 add_special_tokens: bool = True, lora_request: Any = None,
+                 priority: int = 0) -> AsyncIterator[RequestOutput]:
         """The request's outputs until it finishes; leaving early aborts it. ``lora_request``:
         the ``LoRARequest`` of its adapter (None: the base model)."""
 
@@ -60,8 +62,24 @@ class EngineClient(Protocol):
     async def remove_lora(self, lora_id: int) -> bool:
         """Forget a LoRA adapter; False if it was not known."""
 
+    def encode(self, prompt: PromptType, pooling_params: PoolingParams, request_id: str, *,
+               priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling model's output for one prompt (one final ``PoolingRequestOutput``)."""
+
+    @property
+    def scheduling_policy(self) -> str:
+        """"fcfs" or "priority": a nonzero request ``priority`` needs "priority"."""
+
     def abort(self, request_id: str) -> None:
         """Stop a request now (synchronous: callable from ``finally`` blocks)."""
+
+    # -- sleep mode ------------------------------------------------------------------------------
+    async def sleep(self, level: int = 1) -> None:
+        """Free the device memory (needs enable_sleep_mode); ValueError/RuntimeError when refused."""
+
+    async def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+    async def is_sleeping(self) -> bool: ...
 
     # -- health and statistics -------------------------------------------------------------------
     @property

@@ -9,7 +9,7 @@ build, cannot run code when decoded, and its layout is spelled out here:
     ADD       [request_id, prompt_token_ids, arrival_time, [sampling_params fields...],
                prompt_embeds as [dtype name, shape, raw bytes] or None,
                lora_request as [lora_name, lora_int_id, lora_path, base_model_name] or None,
-               mm_features as [[modality, hash, offset, length, {name: tensor}], ...] or None]
+               mm_features as [[modality, hash, offset, length, {name: tensor}], ...] or None, priority]
     ABORT     [request_id, ...]                      engine (child) request ids
     SHUTDOWN  None                                   finish the loop, release the device, exit 0
     UTILITY   [call_id, EngineCore method, [args...]]  between steps (pause, profile, collective_rpc)
@@ -124,18 +124,18 @@ def encode_add(request: EngineCoreRequest) -> bytes:
     payload = [request.request_id, list(request.prompt_token_ids), request.arrival_time,
                _params_to_wire(request.sampling_params), _tensor_to_wire(request.prompt_embeds),
                None if request.lora_request is None else request.lora_request.to_wire(),
-               _features_to_wire(request.mm_features)]
+               _features_to_wire(request.mm_features), request.priority]
     return encode(InputKind.ADD, payload)
 
 
 def request_from_wire(payload: list[Any]) -> EngineCoreRequest:
-    request_id, prompt_token_ids, arrival_time, params, embeds, lora, features = payload
+    request_id, prompt_token_ids, arrival_time, params, embeds, lora, features, priority = payload
     from pagedlm.core.lora.request import LoRARequest
 
     return EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                              sampling_params=_params_from_wire(params), arrival_time=arrival_time,
                              prompt_embeds=_tensor_from_wire(embeds), lora_request=LoRARequest.from_wire(lora),
-                             mm_features=_features_from_wire(features))
+                             mm_features=_features_from_wire(features), priority=priority)
 
 
 

@@ -7,11 +7,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from pagedlm.core.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedlm.core.engine.arg_utils import EngineArgs
 from pagedlm.core.engine.llm_engine import LLMEngine
 from pagedlm.core.engine.processor import PromptType
 from pagedlm.core.metrics.reader import Metric
-from pagedlm.core.outputs import RequestOutput
+from pagedlm.core.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringRequestOutput
+from pagedlm.core.pooling_params import PoolingParams, check_runner
 from pagedlm.core.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -78,6 +80,7 @@ class LLM:
         *,
         use_tqdm: bool = True,
         lora_request: Any = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of ``prompts``.
 
@@ -87,7 +90,8 @@ class LLM:
         A prompt is a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}`` or, with
         ``LLM(enable_prompt_embeds=True)``, ``{"prompt_embeds": tensor [num_tokens, hidden]}``. All prompts
         are validated before any is queued, so one bad prompt raises ``ValueError`` and leaves the
-        engine untouched.
+        engine untouched. ``priority`` (one per prompt, with ``scheduling_policy="priority"``): lower
+        values are scheduled first.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -103,7 +107,48 @@ class LLM:
                     f"sampling_params has {len(params_list)} entries but there are {len(prompts)} prompts; "
                     "pass one SamplingParams or one per prompt"
                 )
-        return self._run(prompts, params_list, use_tqdm=use_tqdm, lora_request=lora_request)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries but there are {len(prompts)} prompts; "
+                             "pass one priority per prompt")
+        return self._run(prompts, params_list, use_tqdm=use_tqdm, lora_request=lora_request, priority=priority)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, *,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: the best ``params.beam_width`` sequences of every prompt
+        (``.sequences``, best first; each ``tokens`` holds the prompt too). Scores as HF's
+        ``generate(num_beams=...)`` does (pagedlm.core.beam_search)."""
+        from pagedlm.core.beam_search import run_offline
+
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        check_runner(self.llm_engine.vllm_config.model_config, "generate", "LLM.beam_search")
+        return run_offline(self, list(prompts), params, use_tqdm=use_tqdm)
+
+    # -- pooling models (runner="pooling") ----------------------------------------------------
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: bool = True,
+               pooling_task: str | None = None, priority: list[int] | None = None) -> list[PoolingRequestOutput]:
+        """A pooling model's pooled vector per prompt (``outputs.data``, a float32 tensor), in order;
+        ``pooling_task`` "embed" (normalized as the model says) or "encode" (raw)."""
+        from pagedlm.core.entrypoints import pooling
+
+        return pooling.encode(self, prompts, pooling_params, use_tqdm=use_tqdm, pooling_task=pooling_task,
+                              priority=priority)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: bool = True,
+              priority: list[int] | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``outputs.embedding``, a list of floats), in order."""
+        from pagedlm.core.entrypoints import pooling
+
+        return pooling.embed(self, prompts, pooling_params, use_tqdm=use_tqdm, priority=priority)
+
+    def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType], *,
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """Cosine similarity of the embeddings of each pair (one ``data_1`` against every ``data_2``)."""
+        from pagedlm.core.entrypoints import pooling
+
+        return pooling.score(self, data_1, data_2, use_tqdm=use_tqdm)
 
     def chat(
         self,
@@ -205,18 +250,21 @@ class LLM:
     def _run(
         self, prompts: list[PromptType], params_list: list[SamplingParams], *, use_tqdm: bool,
         lora_request: Any = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         from pagedlm.core.lora.frontend import as_lora_requests
 
         engine = self.llm_engine
         loras = as_lora_requests(lora_request, len(prompts))
+        check_runner(engine.vllm_config.model_config, "generate", "LLM.generate")
+        priorities = priority if priority is not None else [0] * len(prompts)
         # Validate everything first: a bad prompt must not leave half a batch queued.
         for lora in loras:
             if engine.lora_registry.needs_check(lora):
                 engine.add_lora(lora)
         processed = [
-            engine.processor.process(str(next(self._request_counter)), prompt, params, lora_request=lora)
-            for prompt, params, lora in zip(prompts, params_list, loras)
+            engine.processor.process(str(next(self._request_counter)), prompt, params, lora_request=lora, priority=p)
+            for prompt, params, lora, p in zip(prompts, params_list, loras, priorities)
         ]
         for core_request, _ in processed:
             # Offline generation returns finished outputs only: no per-step RequestOutput copies.
@@ -263,6 +311,21 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's name); False while requests hold blocks."""
         return self.llm_engine.reset_prefix_cache()
+
+    # -- sleep mode (LLM(enable_sleep_mode=True)) -----------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's ``LLM.sleep``: free the device memory between uses. Level 1 moves the weights to
+        host memory and drops the KV cache; level 2 drops both (the weights are read from the
+        checkpoint again on wake). Refused while requests run; nothing runs until ``wake_up``."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back ``tags`` ("weights", "kv_cache"; None: both), e.g. the weights first (to
+        update them) and then the KV cache. The prefix cache starts empty."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.sleeping
 
     def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:

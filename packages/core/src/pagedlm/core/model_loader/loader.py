@@ -13,6 +13,12 @@ from torch import nn
 
 from pagedlm.core.forward_context import set_current_vllm_config
 from pagedlm.core.logger import init_logger
+from pagedlm.core.model_loader.pooling_adapter import (
+    is_base_model_checkpoint,
+    mark_head_optional,
+    model_architectures,
+    prefix_body_weights,
+)
 from pagedlm.core.model_loader.registry import get_model_class
 from pagedlm.core.model_loader.weight_utils import (
     find_weight_files,
@@ -88,7 +94,7 @@ def load_model(
     load_format = vllm_config.load_config.load_format
     dtype = _model_dtype(model_config)
     device = torch.device(device)
-    model_cls = get_model_class(model_config.architectures)
+    model_cls = get_model_class(model_architectures(model_config))
 
     quant_config = vllm_config.quant_config
     if quant_config is not None:
@@ -113,6 +119,9 @@ def load_model(
         # stage's layers (PP); one rank keeps plain tensors, which any model code accepts.
         lazy = vllm_config.parallel_config.world_size > 1
         weights = get_weights_iterator(model_config.model, load_format, lazy=lazy)
+        if is_base_model_checkpoint(model_config):  # e.g. a sentence-transformers export (pooling_adapter.py)
+            weights = prefix_body_weights(weights)
+            mark_head_optional(model)
         loaded = model.load_weights(remap_kv_cache_scales(weights, model, quant_config))
         expected = {name for name, p in model.named_parameters() if not getattr(p, "optional_in_checkpoint", False)}
         missing = sorted(expected - set(loaded))

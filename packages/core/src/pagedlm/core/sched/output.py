@@ -100,6 +100,8 @@ class ModelRunnerOutput:
     kv_connector_output: Any = None
     #: speculative decoding: per request (``req_ids`` order) the drafts for its next step; None when off
     spec_token_ids: list[list[int]] | None = None
+    #: pooling models: req_id -> the prompt's raw pooled vector, in the step its prompt ends
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass

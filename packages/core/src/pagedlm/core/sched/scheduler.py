@@ -11,6 +11,10 @@ Order of a step:
   2. waiting requests, FCFS, while budget, ``max_num_seqs`` and blocks allow (none are
      admitted in a step that had to preempt).
 
+``scheduling_policy="priority"`` orders both by ``(priority, arrival_time)`` instead (the waiting
+queue is a heap and the running list is sorted each step, so the request preempted is the one of
+the lowest priority): see sched/request_queue.py.
+
 With ``async_scheduling`` the engine schedules step N+1 before step N's sampled tokens are
 back: every request that samples in a step gets an output *placeholder*, which the next step
 computes like a known token (the model runner feeds the sampled id on the device).
@@ -31,7 +35,6 @@ tokens that way; preempted requests are named so that workers drop them from the
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -48,6 +51,7 @@ from pagedlm.core.sched.output import (
     SchedulerOutput,
     SchedulerStats,
 )
+from pagedlm.core.sched.request_queue import create_request_queue, priority_order
 from pagedlm.core.spec_decode.config import SpeculativeConfig
 from pagedlm.core.spec_decode.scheduling import SpecDecodeScheduling
 
@@ -63,13 +67,15 @@ class EngineCoreOutput:
     __slots__ = (
         "request_id", "new_token_ids", "finish_reason", "stop_reason", "new_logprobs",
         "new_prompt_logprobs", "num_cached_tokens", "error", "timing", "num_preemptions", "kv_transfer_params",
+        "pooling_output",
     )
 
     def __init__(self, request_id: str, new_token_ids: list[int], finish_reason: str | None = None,
                  stop_reason: int | str | None = None, new_logprobs=None, new_prompt_logprobs=None,
                  num_cached_tokens: int = 0, error: str | None = None,
                  timing: tuple[float, float] | None = None, num_preemptions: int = 0,
-                 kv_transfer_params: dict | None = None) -> None:
+                 kv_transfer_params: dict | None = None,
+                 pooling_output: list[float] | None = None) -> None:
         self.request_id = request_id
         self.new_token_ids = new_token_ids
         self.finish_reason = finish_reason
@@ -84,6 +90,8 @@ class EngineCoreOutput:
         self.num_preemptions = num_preemptions
         #: a KV connector's parameters for the next instance (disaggregated prefill), on the last output
         self.kv_transfer_params = kv_transfer_params
+        #: a pooling request's raw pooled vector (it finishes with it)
+        self.pooling_output = pooling_output
 
     @property
     def finished(self) -> bool:
@@ -107,6 +115,7 @@ class Scheduler:
         encoder_cache: EncoderCacheManager | None = None,
         structured_output_manager: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        policy: str = "fcfs",
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         #: holds requests with ``structured_outputs`` until their grammar is ready, fills each
@@ -122,7 +131,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        #: "fcfs" or "priority" (vLLM's SchedulerConfig.policy)
+        self.policy = policy
+        self.waiting = create_request_queue(policy)
         self.running: list[Request] = []
         # Finished since the last schedule(): the workers must drop them.
         self.finished_req_ids: set[str] = set()
@@ -241,8 +252,10 @@ class Scheduler:
         if encoder is not None:
             encoder.begin_step()
 
-        # 1. running requests, oldest first.
+        # 1. running requests, oldest first (by priority under the priority policy).
         running = self.running
+        if self.policy == "priority":
+            running.sort(key=priority_order)
         index = 0
         num_running_scheduled = 0
         cap = -(-len(running) // self.pipeline_depth)
@@ -316,7 +329,7 @@ class Scheduler:
         cached.resumed_from_preemption = [False] * num_cached_running
         cached.token_ids = [None] * num_cached_running
 
-        # 2. waiting requests, FCFS.
+        # 2. waiting requests, in the queue's order.
         lora_gate, lora_skipped = self.lora_gate, []
         if lora_gate is not None:
             lora_gate.begin(running)
@@ -459,6 +472,7 @@ class Scheduler:
             self._update_kv_transfer(scheduler_output, runner_output, outputs)
         all_logprobs, all_prompt_logprobs = runner_output.logprobs, runner_output.prompt_logprobs
         spec_tokens, all_spec_token_ids = scheduler_output.scheduled_spec_decode_tokens, runner_output.spec_token_ids
+        pooler_output = runner_output.pooler_output
         get_request = self.requests.get
         running_status = RequestStatus.RUNNING
         som = self.structured_output_manager
@@ -490,7 +504,11 @@ class Scheduler:
                 if token_id in params.all_stop_token_ids or len(request.all_token_ids) >= request.max_num_tokens:
                     self._check_stop(request, token_id)
             elif not token_ids:
-                if prompt_logprobs is None:
+                pooled = pooler_output.get(req_id) if pooler_output else None
+                if pooled is not None:
+                    # a pooling request ends with its prompt: it never decodes
+                    request.status = RequestStatus.FINISHED_STOPPED
+                elif prompt_logprobs is None:
                     continue
                 new_token_ids = token_ids
             else:
@@ -516,6 +534,7 @@ class Scheduler:
                     timing=((request.queued_time, request.scheduled_time or request.queued_time)
                             if request.num_output_tokens == len(new_token_ids) else None),
                     num_preemptions=request.num_preemptions, error=error,
+                    pooling_output=pooler_output.get(req_id) if pooler_output else None,
                 )
             )
             if finished:

@@ -21,6 +21,7 @@ from pagedlm.core.kv_cache.spec import (
     make_kv_cache_groups,
 )
 from pagedlm.core.layers import custom_ops
+from pagedlm.core.layers.pooler import Pooler
 from pagedlm.core.logger import init_logger
 from pagedlm.core.model_loader import load_model
 from pagedlm.core.multimodal.encoder_runner import EncoderRunner, make_encoder_runner
@@ -191,6 +192,8 @@ class ModelRunner:
             from pagedlm.core.spec_decode.runner import SpecDecodeRunner
 
             self.spec_decode = SpecDecodeRunner(self, vllm_config.speculative_config)
+        #: pooling models (runner="pooling"): pools every request's prompt instead of sampling
+        self.pooler = Pooler(mc.pooling_type) if mc.runner == "pooling" else None
 
     def _check_prompt_embeds_support(self) -> None:
         # The class nearest in the MRO that replaces run_model or declares support decides.
@@ -324,6 +327,8 @@ class ModelRunner:
             hidden_states = pp_hidden
 
         states = [batch.requests[r] for r in step.req_ids]
+        if self.pooler is not None:
+            return _done(self._pool(sched, step, states, hidden_states), non_block)
         prompt_logprobs = self._prompt_logprobs(step, states, hidden_states)
         spec = self.spec_decode
         if spec is not None and sched.scheduled_spec_decode_tokens:
@@ -346,6 +351,17 @@ class ModelRunner:
         if spec is not None:  # (a step without drafts samples as without speculation)
             return _done(spec.propose(pending.result(), step, states), non_block)
         return pending if non_block else pending.result()
+
+    def _pool(self, sched: SchedulerOutput, step: StepInputs, states: list,
+              hidden_states: torch.Tensor) -> ModelRunnerOutput:
+        """A pooling model's step: the pooled vectors of the prompts that end in it, no sampling."""
+        assert self.pooler is not None
+        if sched.finished_req_ids:
+            self.pooler.drop(set(self.input_batch.requests) | set(self.input_batch.preempted))
+        pooled = self.pooler.pool(step.req_ids, [s.num_prompt_tokens for s in states], step.query_start_loc,
+                                  step.num_computed, step.num_scheduled, hidden_states)
+        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=[[] for _ in step.req_ids],
+                                 pooler_output=pooled)
 
     def compute_sample_logits(self, step: StepInputs, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits ``[S, V]`` float32 of the last token of each sampling request
@@ -430,6 +446,11 @@ class ModelRunner:
             return tensor.to(HOST), None
         host = tensor.to(HOST, non_blocking=True)
         return host, self.platform.record_event()
+
+    def release_device_graphs(self) -> None:
+        """Drop captured device graphs (sleep mode: they point at memory about to be freed).
+        Extension point: a no-op here; device runners that capture graphs override it and
+        capture again in ``initialize_kv_cache``."""
 
     def profile_run(self) -> None:
         """Run the largest step the engine will schedule, before the KV cache exists, so the

@@ -21,6 +21,7 @@ from pagedlm.core.plugins import resolve_class_path
 from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedlm.core.worker.model_runner import AsyncModelRunnerOutput, ModelRunner
 from pagedlm.core.worker.profiler import WorkerProfiler
+from pagedlm.core.worker.sleep import SleepState
 
 logger = init_logger(__name__)
 
@@ -42,6 +43,9 @@ class Worker:
         self.profiler: WorkerProfiler | None = None
         #: the worker half of kv_transfer_config's KV connector (built with the KV cache)
         self.kv_connector = None
+        #: sleep mode (enable_sleep_mode): what is asleep on this worker
+        self.sleep_state = SleepState()
+        self.num_kv_blocks = 0
 
     def init_device(self) -> None:
         self.device = self.platform.set_device(self.local_rank)
@@ -95,6 +99,7 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int) -> None:
         assert self.model_runner is not None
+        self.num_kv_blocks = num_blocks
         self.model_runner.initialize_kv_cache(num_blocks)
         if self.vllm_config.kv_transfer_config is not None:
             from pagedlm.core.distributed.kv_transfer.worker_step import create_worker_connector
@@ -125,6 +130,17 @@ class Worker:
             self.profiler.start(profile_prefix)
         else:
             self.profiler.stop()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free this rank's device memory (worker/sleep.py): level 1 keeps the weights in host
+        memory, level 2 reads them again on wake; the KV cache is dropped."""
+        assert self.model_runner is not None
+        self.sleep_state.sleep(self.model_runner, level, self.num_kv_blocks)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back ``tags`` ("weights", "kv_cache"; None: both)."""
+        assert self.model_runner is not None
+        self.sleep_state.wake_up(self.model_runner, tags)
 
     def get_model(self) -> Any:
         """This rank's model (``torch.nn.Module``; vLLM's ``Worker.get_model``)."""
