@@ -93,7 +93,9 @@ def test_greedy_matches_hf_fp32(arch, mode, tiny_checkpoints, references, engine
     assert type(runner).__name__ == "CudaModelRunner" and runner.attn_backend.name == "triton"
     # one persistent block-table buffer per KV-cache group (gemma3: full and sliding)
     assert len(runner.block_tables) == (2 if arch == "gemma3" else 1)
-    assert bool(runner._graphs) == bool(runner._mixed_graphs) == (mode != "eager")
+    assert bool(runner._graphs) == (mode != "eager")
+    # mixed-batch graphs only with one KV-cache group (model_runner.capture_model says why)
+    assert bool(runner._mixed_graphs) == (mode != "eager" and arch != "gemma3")
     forgiven = assert_greedy_matches_hf(tiny_checkpoints[arch], ps, MAX_NEW, llm=llm, reference=refs[arch])
     core = llm.llm_engine.core
     if mode.endswith("preemption"):
@@ -166,7 +168,9 @@ def test_graph_padding_and_capture_sizes(tiny_checkpoints, engine_kwargs):
     three = llm.generate([{"prompt_token_ids": p} for p in prompts()[:3]], params, use_tqdm=False)
     one = llm.generate([{"prompt_token_ids": prompts()[1]}], params, use_tqdm=False)
     assert list(three[1].outputs[0].token_ids) == list(one[0].outputs[0].token_ids)
-    assert sum(replays.values()) >= 2  # both prefills ran through a mixed-batch graph
+    # the three prompts' prefill ran through a mixed-batch graph (the lone prompt then hits the
+    # prefix cache: its one new token is a decode step)
+    assert sum(replays.values()) >= 1
 
 
 def count_mixed_replays(runner) -> dict[int, int]:
