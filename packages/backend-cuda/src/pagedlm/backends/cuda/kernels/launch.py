@@ -89,9 +89,8 @@ def compile_only(max_workers: int | None = None) -> Iterator[CompileStats]:
             finally:
                 _COMPILE_ONLY.reset(token)
                 stats.num_variants = len(mode.raw_futures)
-    # NOTE: each variant's module is loaded onto the device here, not at its first launch: a
-    # first launch inside a CUDA-graph capture would load it there (the runner captures most
-    # graphs without a warm-up forward before them).
+    # each variant's module is loaded onto the device here, in the start-up's compile pass,
+    # rather than at its first launch
     for kernel in pool.compiled:
         init = getattr(kernel, "_init_handles", None)
         if init is not None:
