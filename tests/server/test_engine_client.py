@@ -72,6 +72,7 @@ class FakeEngine:
         self.max_model_len = 64
         self.vocab_size = 1000
         self.tokenizer = None
+        self.mm_processor = None
         self.dead_error: EngineDeadError | None = None
         self.num_gpu_blocks = 8
         self.latest_stats = None
@@ -81,9 +82,12 @@ class FakeEngine:
     def tokenize(self, prompt, *, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in prompt]
 
-    def validate_prompt(self, token_ids, params) -> None:
+    def validate_prompt(self, token_ids, params, *, has_mm_data: bool = False) -> None:
         if len(token_ids) + (params.max_tokens or 0) > self.max_model_len:
             raise ValueError(f"prompt + max_tokens exceeds max_model_len={self.max_model_len}")
+
+    def validate_prompt_embeds(self, embeds, params):
+        raise ValueError("prompt_embeds needs --enable-prompt-embeds")
 
     async def generate(self, prompt, sampling_params, request_id, *, add_special_tokens: bool = True,
                        lora_request=None, priority: int = 0) -> AsyncIterator[RequestOutput]:

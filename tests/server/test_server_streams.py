@@ -73,7 +73,7 @@ class CachedEngine(FakeEngine):
     cached = 0
 
     async def generate(self, prompt, sampling_params, request_id, *, add_special_tokens: bool = True,
-                       priority: int = 0):
+                       lora_request=None, priority: int = 0):
         async for out in super().generate(prompt, sampling_params, request_id):
             out.num_cached_tokens = self.cached
             yield out

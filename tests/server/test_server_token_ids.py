@@ -124,7 +124,7 @@ class DeltaEngine(FakeEngine):
     DELTAS = [[11, 12, 13], [14], [15, 16], [17]]
 
     async def generate(self, prompt, sampling_params, request_id, *, add_special_tokens: bool = True,
-                       priority: int = 0):
+                       lora_request=None, priority: int = 0):
         ids = prompt["prompt_token_ids"]
         for k, delta in enumerate(self.DELTAS):
             last = k == len(self.DELTAS) - 1

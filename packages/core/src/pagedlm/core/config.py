@@ -553,6 +553,7 @@ class LoRAConfig(_Freezable):
         return model_dtype if self.lora_dtype == "auto" else _STR_TO_DTYPE[self.lora_dtype]
 
 
+@dataclass
 class StructuredOutputsConfig(_Freezable):
     """Grammar-constrained decoding (vLLM's ``structured_outputs_config``).
 

@@ -83,7 +83,7 @@ def render_chat(state: ServerState, messages: list[ChatMessage], *, add_generati
             for j, part in enumerate(content):
                 if part.type != "text" or part.text is None:
                     hint = ("image_url parts are taken by /v1/chat/completions only"
-                            if state.engine.processor.mm_processor is not None
+                            if state.engine.mm_processor is not None
                             else "image_url parts need a multimodal model")
                     raise APIError(f"{param}[{i}].content[{j}].type={part.type!r} is not supported here: text parts "
                                    f"only ({{\"type\": \"text\", \"text\": ...}}); {hint}",

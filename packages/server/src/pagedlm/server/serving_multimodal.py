@@ -21,7 +21,7 @@ from pagedlm.server.serving_common import ServerState, bad_request, off_loop
 def _render(state: ServerState, conversation: list[dict[str, Any]], req: ChatCompletionRequest,
             param: str) -> tuple[dict[str, Any], list[int]]:
     engine = state.engine
-    mm_processor = engine.processor.mm_processor
+    mm_processor = engine.mm_processor
     model_config = engine.vllm_config.model_config
     add_generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
     prompt = render_multimodal_chat(engine.tokenizer, mm_processor, model_config, conversation,
@@ -37,7 +37,7 @@ async def multimodal_chat_prompt(state: ServerState, req: ChatCompletionRequest,
                                  ) -> tuple[dict[str, Any], str, list[int]] | None:
     """(engine prompt, prompt text, prompt token ids) of a conversation with image parts; None
     when it has none (the text-only path handles it)."""
-    if state.engine.processor.mm_processor is None:
+    if state.engine.mm_processor is None:
         return None  # a text model: the text path refuses image parts, naming them
     conversation = [m.model_dump(exclude_none=True) for m in messages]
     if not has_image_parts(conversation):
@@ -47,7 +47,7 @@ async def multimodal_chat_prompt(state: ServerState, req: ChatCompletionRequest,
                        param="truncate_prompt_tokens")
     try:
         prompt, token_ids = await off_loop(_render, state, conversation, req, param)
-        state.engine.processor.validate(token_ids, params, has_mm_data=True)
+        state.engine.validate_prompt(token_ids, params, has_mm_data=True)
     except ValueError as e:
         raise bad_request(e, prompt_param=param) from None
     return prompt, prompt["prompt"], token_ids

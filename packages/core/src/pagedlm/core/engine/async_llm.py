@@ -141,6 +141,10 @@ class AsyncLLM:
         return self.processor.vocab_size
 
     @property
+    def mm_processor(self) -> Any | None:
+        return self.processor.mm_processor
+
+    @property
     def scheduling_policy(self) -> str:
         return self.vllm_config.scheduler_config.policy
 
@@ -180,8 +184,8 @@ class AsyncLLM:
     def tokenize(self, prompt: PromptType, *, add_special_tokens: bool = True) -> list[int]:
         return self.processor.tokenize_prompt(prompt, add_special_tokens=add_special_tokens)[1]
 
-    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        self.processor.validate(token_ids, params)
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams, *, has_mm_data: bool = False) -> None:
+        self.processor.validate(token_ids, params, has_mm_data=has_mm_data)
 
     def validate_prompt_embeds(self, embeds: Any, params: SamplingParams) -> Any:
         """The ``[T, hidden]`` tensor an ``{"prompt_embeds": embeds}`` prompt would queue (CPU, the

@@ -46,8 +46,18 @@ class EngineClient(Protocol):
     def tokenize(self, prompt: PromptType, *, add_special_tokens: bool = True) -> list[int]:
         """The prompt's token ids; raises ValueError for a malformed or empty prompt."""
 
-    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError (naming the parameter) if the engine would refuse this request."""
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams, *, has_mm_data: bool = False) -> None:
+        """Raise ValueError (naming the parameter) if the engine would refuse this request.
+        ``has_mm_data``: the prompt comes with images, so its placeholder tokens are expected."""
+
+    def validate_prompt_embeds(self, embeds: Any, params: SamplingParams) -> Any:
+        """The ``[T, hidden]`` tensor a ``{"prompt_embeds": embeds}`` prompt would queue; raises
+        ValueError as ``generate`` would."""
+
+    @property
+    def mm_processor(self) -> Any | None:
+        """The model's multimodal processor (renders and expands prompts with images), or None
+        for a text-only model."""
 
     # -- requests --------------------------------------------------------------------------------
     def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
