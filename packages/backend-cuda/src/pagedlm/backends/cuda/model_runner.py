@@ -48,7 +48,7 @@ from pagedlm.core.sample import build_sampling_metadata
 from pagedlm.core.sampling_params import SamplingParams
 from pagedlm.core.worker.input_batch import StepInputs
 from pagedlm.core.worker.model_runner import ModelRunner
-from pagedlm.core.worker.prompt_embeds import embedding_body, gather_step_prompt_embeds, input_embeddings_override
+from pagedlm.core.worker.prompt_embeds import forward_with_embeddings, gather_step_prompt_embeds
 
 logger = init_logger(__name__)
 
@@ -314,12 +314,7 @@ class CudaModelRunner(ModelRunner):
         input_ids, positions = self._ids_positions(num_tokens)
         self.feed_sampled_tokens(input_ids, step)
         with set_forward_context(metadata), multimodal_embeddings(self.model, step.mm_embeds):
-            if embeds is None:
-                return self.model(input_ids, positions)
-            body = embedding_body(self.model)
-            assert body is not None
-            with input_embeddings_override(body, *embeds):
-                return self.model(input_ids, positions)
+            return forward_with_embeddings(self.model, input_ids, positions, embeds)
 
     def feed_sampled_tokens(self, input_ids: torch.Tensor, step: StepInputs) -> None:
         """As the base runner's, with the indices already on the device (staged with the step)."""

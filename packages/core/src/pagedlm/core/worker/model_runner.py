@@ -37,7 +37,7 @@ from pagedlm.core.sample.logits_processor import BatchLogitsProcessors, build_lo
 from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from pagedlm.core.structured_output.bitmask import apply_grammar_bitmask
 from pagedlm.core.worker.input_batch import InputBatch, StepInputs
-from pagedlm.core.worker.prompt_embeds import embedding_body, gather_step_prompt_embeds, input_embeddings_override
+from pagedlm.core.worker.prompt_embeds import embedding_body, forward_with_embeddings, gather_step_prompt_embeds
 
 logger = init_logger(__name__)
 
@@ -412,12 +412,7 @@ class ModelRunner:
         if step.mm_embeds is not None:
             embeds = step.mm_embeds
         with set_forward_context(metadata):
-            if embeds is None:
-                return self.model(input_ids, positions)
-            body = embedding_body(self.model)
-            assert body is not None
-            with input_embeddings_override(body, *embeds):
-                return self.model(input_ids, positions)
+            return forward_with_embeddings(self.model, input_ids, positions, embeds)
 
     def _eager_inputs(self, step: StepInputs) -> tuple[object, torch.Tensor, torch.Tensor]:
         """(attention metadata, input_ids [T], positions [T]) of a step, copied to the device."""

@@ -67,3 +67,15 @@ def input_embeddings_override(body: torch.nn.Module, indices: torch.Tensor, embe
         yield
     finally:
         object.__delattr__(body, "get_input_embeddings")
+
+
+def forward_with_embeddings(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                            embeds: tuple[torch.Tensor, torch.Tensor] | None) -> Any:
+    """``model(input_ids, positions)``, with the rows ``embeds = (indices, rows)`` of its
+    embedding lookup replaced (None: as it is)."""
+    if embeds is None:
+        return model(input_ids, positions)
+    body = embedding_body(model)
+    assert body is not None
+    with input_embeddings_override(body, *embeds):
+        return model(input_ids, positions)
