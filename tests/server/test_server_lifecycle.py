@@ -88,7 +88,9 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(start_server, tiny_llama)
     while True:
         try:
             httpx.get(server.url + "/health", timeout=2)
-        except httpx.ConnectError:
+        except (httpx.ConnectError, httpx.ReadError):
+            # ReadError: the kernel had queued this connection just before the listener closed,
+            # so it is reset unanswered (seen on a loaded machine): refused as well
             break
         assert time.monotonic() < deadline, "still accepting connections after SIGTERM"
         time.sleep(0.1)
