@@ -12,7 +12,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -81,10 +83,18 @@ class CudaPlatform(Platform):
     def is_pin_memory_available(self) -> bool:
         return True
 
-    def record_event(self) -> torch.cuda.Event:
-        event = torch.cuda.Event()
+    def record_event(self, timing: bool = False) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=timing)
         event.record()
         return event
+
+    def new_stream(self, device: torch.device) -> torch.cuda.Stream:
+        return torch.cuda.Stream(device)
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: torch.cuda.Stream, device: torch.device) -> Iterator[None]:
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            yield
 
     def get_device_capability(self, device: torch.device) -> tuple[int, int]:
         return torch.cuda.get_device_capability(device)

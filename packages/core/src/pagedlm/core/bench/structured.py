@@ -83,16 +83,12 @@ class BitmaskCost:
 
         def timed(logits, *args, **kwargs):
             start = time.perf_counter()
-            events = None
-            if logits.is_cuda:
-                import torch
+            from pagedlm.core.platforms import current_platform
 
-                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                events[0].record()
+            first = current_platform.record_event(timing=True)
             original(logits, *args, **kwargs)
-            if events is not None:
-                events[1].record()
-                self._events.append(events)
+            if first is not None:
+                self._events.append((first, current_platform.record_event(timing=True)))
             self.host_s += time.perf_counter() - start
             self.calls += 1
 

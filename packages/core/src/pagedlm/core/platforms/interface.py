@@ -8,6 +8,8 @@ hardware is a new ``Platform`` subclass in its own package.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -87,10 +89,21 @@ class Platform:
         """Whether host buffers for asynchronous copies to this device should be page-locked."""
         return False
 
-    def record_event(self) -> Any | None:
-        """An event recorded now on the current stream (it has ``synchronize()``), or None when
-        work on this device completes before the call returns (the CPU)."""
+    def record_event(self, timing: bool = False) -> Any | None:
+        """An event recorded now on the current stream (it has ``synchronize()``; with
+        ``timing``, ``elapsed_time(later_event)`` in ms), or None when work on this device
+        completes before the call returns (the CPU)."""
         return None
+
+    def new_stream(self, device: torch.device) -> Any | None:
+        """A stream of its own on ``device`` for work beside the engine's (KV transfers), or
+        None where device work runs in call order (the CPU)."""
+        return None
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: Any, device: torch.device) -> Iterator[None]:
+        """Within: ``device``'s work goes to ``stream`` (from :meth:`new_stream`)."""
+        yield
 
     def get_device_capability(self, device: torch.device) -> tuple[int, int] | None:
         """``(major, minor)`` of the device's compute capability, or None where there is none."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedlm.core.platforms import HOST
+
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -38,7 +40,7 @@ def apply_grammar_bitmask(logits: torch.Tensor, sample_req_ids: list[str], row_o
     device = logits.device
     vocab = logits.shape[-1]
     words = torch.from_numpy(np.ascontiguousarray(bitmask[mask_rows]))
-    if device.type != "cpu":
+    if device.type != HOST.type:
         words = words.pin_memory().to(device, non_blocking=True)
     # NOTE: little-endian words: byte k of word w holds tokens 32w + 8k .. 32w + 8k + 7, lowest bit
     # first. Unpacking bytes, not words, keeps the temporary at one byte per token.

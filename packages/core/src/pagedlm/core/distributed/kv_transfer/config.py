@@ -8,6 +8,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedlm.core.platforms import HOST
+
 #: ``kv_role`` values: a producer exports its requests' KV, a consumer loads KV, both do both
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
@@ -29,7 +31,7 @@ class KVTransferConfig:
     kv_ip: str = "127.0.0.1"
     kv_port: int = 14579
     #: vLLM's ``kv_buffer_device``; pagedlm's connectors stage through host memory ("cpu")
-    kv_buffer_device: str = "cpu"
+    kv_buffer_device: str = HOST.type
     #: a KV block that cannot be loaded: ``"recompute"`` it (the request goes on from the last good
     #: block) or ``"fail"`` the request with the reason
     kv_load_failure_policy: str = "recompute"
@@ -50,7 +52,7 @@ class KVTransferConfig:
                              "must be a JSON object")
         if not isinstance(self.kv_port, int) or not 0 <= self.kv_port < 65536:
             raise ValueError(f"kv_transfer_config.kv_port={self.kv_port!r} must be a TCP port (0..65535)")
-        if self.kv_buffer_device != "cpu":
+        if self.kv_buffer_device != HOST.type:
             raise ValueError(f"kv_transfer_config.kv_buffer_device={self.kv_buffer_device!r} is not supported; "
                              "pagedlm's connectors stage KV in host memory: 'cpu'")
         if self.kv_load_failure_policy not in ("recompute", "fail"):

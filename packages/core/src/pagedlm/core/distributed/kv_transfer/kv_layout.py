@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from pagedlm.core.platforms import HOST
+
 
 def block_dim_of(attn_backend: type, block_size: int, num_kv_heads: int, head_size: int) -> int:
     """The dimension of the backend's cache tensor that indexes blocks (the one that grows with
@@ -51,7 +53,7 @@ class PagedBlockIO:
         for cache in self.caches:
             blocks = cache.index_select(self.block_dim, idx).movedim(self.block_dim, 0).contiguous()
             parts.append(blocks.view(torch.uint8).reshape(len(block_ids), -1))
-        return torch.cat(parts, dim=1).to("cpu")
+        return torch.cat(parts, dim=1).to(HOST)
 
     def scatter(self, block_ids: Sequence[int], records: torch.Tensor) -> None:
         """Write ``records`` ``[len(block_ids), bytes_per_block]`` uint8 into the blocks."""
@@ -76,16 +78,17 @@ class SideStream:
     engine's ops are done by the time it returns to the host)."""
 
     def __init__(self, device: torch.device) -> None:
+        from pagedlm.core.platforms import current_platform
+
         self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.platform = current_platform
+        self.stream = None if device.type == HOST.type else current_platform.new_stream(device)
 
     def mark(self) -> Any:
         """A point in the engine stream's work (call on the engine's thread)."""
         if self.stream is None:
             return None
-        event = torch.cuda.Event()
-        event.record()
-        return event
+        return self.platform.record_event()
 
     @contextlib.contextmanager
     def after(self, mark: Any) -> Iterator[None]:
@@ -93,7 +96,7 @@ class SideStream:
         if self.stream is None:
             yield
             return
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+        with self.platform.use_stream(self.stream, self.device):
             self.stream.wait_event(mark)
             yield
             self.stream.synchronize()

@@ -139,7 +139,9 @@ class OffloadingConnector(KVConnectorBase_V1):
 
         assert self._kv_cache_config.block_dim is not None
         self._io = PagedBlockIO(kv_caches, self._kv_cache_config.block_dim)
-        pin = self._io.device.type != "cpu" and torch.cuda.is_available()
+        from pagedlm.core.platforms import HOST, current_platform
+
+        pin = self._io.device.type != HOST.type and current_platform.is_pin_memory_available()
         self._pool = torch.empty((self.num_host_blocks, self._io.bytes_per_block), dtype=torch.uint8,
                                  pin_memory=pin)
 
