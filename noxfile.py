@@ -59,6 +59,9 @@ TEST_DEPS = [
     "compressed-tensors>=0.12",
     # tests/lora (and the server's LoRA tests): adapters made, and references computed, by the real peft
     "peft>=0.13",
+    # tests/surface and tests/server embeddings: the reference embeddings of a sentence-transformers
+    # checkpoint, computed by the real library
+    "sentence-transformers>=3.0",
 ]
 # tests/peer: vLLM's tests are async (pytest-asyncio) and use these as vLLM's test suite does
 PEER_DEPS = ["pytest-asyncio", "requests", "regex", "prometheus_client"]
