@@ -250,3 +250,33 @@ def test_prompt_embeds_give_the_ids_tokens(tiny_checkpoints, engine_kwargs):
     outs = llm.generate([{"prompt_embeds": embeds[0]}, {"prompt_token_ids": ps[1]}, {"prompt_embeds": embeds[2]}],
                         params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == [list(o.outputs[0].token_ids) for o in by_ids]
+
+
+def test_structured_outputs_async_sample_after_forward(tiny_checkpoints, engine_kwargs):
+    """A JSON schema on every request: with async scheduling the step's forward goes out before
+    its grammar bitmask (``sample_tokens`` samples it), and the tokens are those of sync steps."""
+    import re
+
+    from pagedlm.core import LLM, SamplingParams
+    from pagedlm.core.sampling_params import StructuredOutputsParams
+
+    regex = r"\[[0-9]{1,2}(,[0-9]{1,2}){2}\]"  # at most 12 characters: every request ends
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=40,
+                             structured_outputs=StructuredOutputsParams(regex=regex)) for i in range(4)]
+    ps = prompts()[:4]
+    runs = {}
+    for mode in ("sync", "async"):
+        llm = LLM(model=tiny_checkpoints["llama"], dtype="float32", **{**engine_kwargs, **MODES[mode]})
+        executor = llm.llm_engine.core.executor
+        calls = []
+        sample_tokens = executor.sample_tokens
+        executor.sample_tokens = (lambda g, non_block=False, calls=calls, sample_tokens=sample_tokens:
+                                  calls.append(g) or sample_tokens(g, non_block))
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        runs[mode] = [o.outputs[0].token_ids for o in outs]
+        assert bool(calls) == (mode == "async")
+        for o in outs:
+            assert o.outputs[0].finish_reason == "stop"
+            assert re.fullmatch(regex, o.outputs[0].text), o.outputs[0].text
+        llm.shutdown()
+    assert runs["sync"] == runs["async"]

@@ -146,9 +146,16 @@ def test_same_tokens_with_preemption_and_async_scheduling(tiny_llama, llm):
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     tight = LLM(model=tiny_llama, dtype="float32", device="cpu", max_model_len=128, num_gpu_blocks_override=14,
                 async_scheduling=True)
+    executor = tight.llm_engine.core.executor
+    deferred = []
+    sample_tokens = executor.sample_tokens
+    executor.sample_tokens = lambda grammar, non_block=False: deferred.append(grammar) or sample_tokens(grammar,
+                                                                                                          non_block)
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
     assert got == expected
     assert tight.llm_engine.core.scheduler.num_preemptions_total > 0
+    # the steps went out before their bitmasks were filled (the forward overlaps the fill)
+    assert any(g.grammar_bitmask is not None for g in deferred)
 
 
 def test_guided_decoding_alias_and_pydantic_model(llm):

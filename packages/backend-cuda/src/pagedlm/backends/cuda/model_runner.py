@@ -101,6 +101,10 @@ class CudaModelRunner(ModelRunner):
         self._num_staged = 0
         self._sampled_host = [torch.zeros(self.max_num_reqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._copy_events = [torch.cuda.Event() for _ in range(2)] if on_cuda else []
+        #: pinned staging buffers (bytes) for host arrays sent to the device (grammar bitmasks)
+        self._array_staging: list[torch.Tensor | None] = [None, None]
+        self._array_staging_events = [torch.cuda.Event() for _ in range(2)] if on_cuda else []
+        self._num_array_stagings = 0
         self._num_copies = 0
 
         # NOTE: pipeline stages run every step eagerly (execute_model's pp_forward path)
@@ -337,6 +341,24 @@ class CudaModelRunner(ModelRunner):
         event = self._copy_events[k]
         event.record()
         return host, event
+
+    def stage_to_device(self, array: np.ndarray) -> torch.Tensor:
+        """Through one of two pinned buffers, used in turn; a buffer is refilled only once the
+        copy out of it has completed (its event)."""
+        if self.device.type != "cuda":
+            return super().stage_to_device(array)
+        k = self._num_array_stagings % 2
+        self._num_array_stagings += 1
+        buf = self._array_staging[k]
+        if buf is None or buf.numel() < array.nbytes:
+            buf = self._array_staging[k] = torch.empty(array.nbytes, dtype=torch.uint8, pin_memory=True)
+        else:
+            self._array_staging_events[k].synchronize()
+        host = buf[: array.nbytes].view(torch.from_numpy(array[:0]).dtype).view(array.shape)
+        np.copyto(host.numpy(), array)
+        on_device = host.to(self.device, non_blocking=True)
+        self._array_staging_events[k].record()
+        return on_device
 
     def compute_sample_logits(self, step: StepInputs, hidden_states: torch.Tensor) -> torch.Tensor:
         if self._graph_logits is not None and len(step.sample_indices) == len(step.req_ids):

@@ -16,7 +16,7 @@ from pagedlm.core.logger import init_logger
 from pagedlm.core.multimodal.encoder_cache import make_encoder_cache_manager
 from pagedlm.core.request import EngineCoreRequest, Request, RequestStatus
 from pagedlm.core.sched import EngineCoreOutput, Scheduler, SchedulerStats
-from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from pagedlm.core.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
@@ -238,13 +238,9 @@ class EngineCore:
                     or scheduler_output.preempted_req_ids or scheduler_output.kv_connector_metadata is not None \
                     or self.scheduler.kv_transfer is not None:
                 if self.scheduler.needs_grammar_bitmask(scheduler_output):
-                    # Structured outputs: the rows need the matchers advanced over the tokens of
-                    # the batch in flight; take it back first (the step was scheduled meanwhile).
-                    while queue:
-                        future, in_flight = queue.popleft()
-                        outputs.extend(self._update(in_flight, future.result()))
-                    self.scheduler.fill_grammar_bitmask(scheduler_output)
-                future = self.executor.execute_model(scheduler_output, non_block=True)
+                    future = self._execute_with_grammar(scheduler_output, queue, outputs)
+                else:
+                    future = self.executor.execute_model(scheduler_output, non_block=True)
                 queue.append((future, scheduler_output))  # type: ignore[arg-type]
                 if len(queue) < self.batch_queue_size and scheduler_output.total_num_scheduled_tokens > 0:
                     return outputs
@@ -258,6 +254,25 @@ class EngineCore:
             future, scheduler_output = queue.popleft()
             outputs.extend(self._update(scheduler_output, future.result()))
         return outputs
+
+    def _execute_with_grammar(self, scheduler_output: SchedulerOutput, queue: deque[tuple[Future, SchedulerOutput]],
+                              outputs: list[EngineCoreOutput]) -> Future:
+        """Send out a step with grammar bitmask rows, whose matchers must first advance over the
+        tokens of the batch in flight. Where the executor can, the forward goes out first and the
+        bitmask is filled while it runs (``sample_tokens`` then samples the step); otherwise the
+        batch in flight is taken back before the step goes out."""
+        deferred = self.executor.supports_deferred_sampling and self.scheduler.kv_transfer is None
+        if deferred:
+            scheduler_output.pending_structured_output_tokens = True
+            self.executor.execute_model(scheduler_output, non_block=True)
+        while queue:
+            future, in_flight = queue.popleft()
+            outputs.extend(self._update(in_flight, future.result()))
+        self.scheduler.fill_grammar_bitmask(scheduler_output)
+        if not deferred:
+            return self.executor.execute_model(scheduler_output, non_block=True)  # type: ignore[return-value]
+        grammar = GrammarOutput(scheduler_output.structured_output_request_ids, scheduler_output.grammar_bitmask)
+        return self.executor.sample_tokens(grammar, non_block=True)  # type: ignore[return-value]
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)

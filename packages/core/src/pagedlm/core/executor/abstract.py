@@ -10,7 +10,7 @@ from typing import Any
 
 from pagedlm.core.config import VllmConfig
 from pagedlm.core.kv_cache.spec import AttentionSpec, KVCacheGroupSpec
-from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(ABC):
@@ -68,6 +68,16 @@ class Executor(ABC):
                       non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         """Run one step. ``non_block=True`` returns a future at once (batches in flight, for
         pipeline parallelism); results then arrive in submission order."""
+
+    #: whether a step can go out before its grammar bitmask (``pending_structured_output_tokens``
+    #: and :meth:`sample_tokens`): executors whose workers share the engine core's process
+    supports_deferred_sampling: bool = False
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None,
+                      non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Finish the step that :meth:`execute_model` ran with ``pending_structured_output_tokens``:
+        sample it under ``grammar_output``'s bitmask (vLLM's ``sample_tokens``)."""
+        raise NotImplementedError(f"{type(self).__name__} runs every step to its sampled tokens")
 
     def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:

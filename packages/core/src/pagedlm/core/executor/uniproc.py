@@ -8,7 +8,7 @@ from typing import Any
 
 from pagedlm.core.executor.abstract import Executor, WorkerCall, done_future
 from pagedlm.core.kv_cache.spec import AttentionSpec, KVCacheGroupSpec
-from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from pagedlm.core.worker.worker import Worker
 
 
@@ -41,6 +41,14 @@ class UniProcExecutor(Executor):
         output = self.worker.execute_model(scheduler_output)
         assert isinstance(output, ModelRunnerOutput)
         return done_future(output) if non_block else output
+
+    @property
+    def supports_deferred_sampling(self) -> bool:  # type: ignore[override]
+        return self.vllm_config.scheduler_config.async_scheduling
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None,
+                      non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        return self.worker.sample_tokens(grammar_output, non_block=non_block)  # type: ignore[return-value]
 
     def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:

@@ -79,10 +79,23 @@ class SchedulerOutput:
     #: req_id -> the draft tokens scheduled after its newest token (speculative decoding; vLLM's
     #: name): part of ``num_scheduled_tokens``, verified by the workers in this step
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    #: structured outputs under async scheduling: the grammar bitmask waits for the tokens of the
+    #: batch in flight, so the workers run the forward and stop before sampling; the executor's
+    #: ``sample_tokens(GrammarOutput)`` finishes the step (vLLM's name)
+    pending_structured_output_tokens: bool = False
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class GrammarOutput:
+    """A step's grammar bitmask, filled after its forward went out (``sample_tokens``): req_id ->
+    row of ``grammar_bitmask`` (``int32 [rows, ceil(V/32)]``), as in :class:`SchedulerOutput`."""
+
+    structured_output_request_ids: dict[str, int]
+    grammar_bitmask: np.ndarray | None
 
 
 @dataclass

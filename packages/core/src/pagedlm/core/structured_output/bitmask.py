@@ -8,6 +8,8 @@ logits' device, before the sampler runs (outside any captured graph: the sampler
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -24,10 +26,12 @@ def _bit_shifts(device: torch.device) -> torch.Tensor:
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, sample_req_ids: list[str], row_of: dict[str, int],
-                          bitmask: np.ndarray) -> None:
+                          bitmask: np.ndarray,
+                          to_device: Callable[[np.ndarray], torch.Tensor] | None = None) -> None:
     """Mask ``logits`` ``[S, V]`` in place: logits row ``i`` (request ``sample_req_ids[i]``) keeps
     only the tokens allowed by its bitmask row ``row_of[req_id]``; rows of other requests are
-    left alone. ``bitmask`` ``int32 [R, W]`` with ``32 * W >= V``."""
+    left alone. ``bitmask`` ``int32 [R, W]`` with ``32 * W >= V``; ``to_device`` (the runner's
+    staging copy) brings host rows to the logits' device without waiting for it."""
     logit_rows: list[int] = []
     mask_rows: list[int] = []
     for i, req_id in enumerate(sample_req_ids):
@@ -39,9 +43,14 @@ def apply_grammar_bitmask(logits: torch.Tensor, sample_req_ids: list[str], row_o
         return
     device = logits.device
     vocab = logits.shape[-1]
-    words = torch.from_numpy(np.ascontiguousarray(bitmask[mask_rows]))
-    if device.type != HOST.type:
-        words = words.pin_memory().to(device, non_blocking=True)
+    # NOTE: the scheduler numbers rows in step order, so usually every row is taken as it is
+    host = bitmask if mask_rows == list(range(len(bitmask))) else bitmask[mask_rows]
+    if device.type == HOST.type:
+        words = torch.from_numpy(np.ascontiguousarray(host))
+    elif to_device is not None:
+        words = to_device(host)
+    else:
+        words = torch.from_numpy(np.ascontiguousarray(host)).pin_memory().to(device, non_blocking=True)
     # NOTE: little-endian words: byte k of word w holds tokens 32w + 8k .. 32w + 8k + 7, lowest bit
     # first. Unpacking bytes, not words, keeps the temporary at one byte per token.
     as_bytes = words.view(torch.uint8)  # [R, 4W]

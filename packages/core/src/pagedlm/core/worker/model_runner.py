@@ -34,7 +34,7 @@ from pagedlm.core.sample import (
     compute_topk_logprobs,
 )
 from pagedlm.core.sample.logits_processor import BatchLogitsProcessors, build_logitsprocs
-from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from pagedlm.core.structured_output.bitmask import apply_grammar_bitmask
 from pagedlm.core.worker.input_batch import InputBatch, StepInputs
 from pagedlm.core.worker.prompt_embeds import embedding_body, forward_with_embeddings, gather_step_prompt_embeds
@@ -132,6 +132,18 @@ def _check_kv_cache_dtype(backend: type[AttentionBackend], cache_dtype: str, dev
                      f"({hint}; or kv_cache_dtype='auto')")
 
 
+@dataclasses.dataclass
+class _DeferredSample:
+    """A step's forward, queued, and what sampling it needs: ``logits [S, V]`` of
+    ``sample_states``."""
+
+    step: StepInputs
+    states: list
+    sample_states: list
+    logits: torch.Tensor
+    prompt_logprobs: dict[str, LogprobsLists]
+
+
 def _done(output: ModelRunnerOutput, non_block: bool) -> ModelRunnerOutput | AsyncModelRunnerOutput:
     return AsyncModelRunnerOutput.ready(output) if non_block else output
 
@@ -194,6 +206,9 @@ class ModelRunner:
             self.spec_decode = SpecDecodeRunner(self, vllm_config.speculative_config)
         #: pooling models (runner="pooling"): pools every request's prompt instead of sampling
         self.pooler = Pooler(mc.pooling_type) if mc.runner == "pooling" else None
+        #: a step run with ``pending_structured_output_tokens``: its output, or what sampling it
+        #: needs (``_DeferredSample``), until ``sample_tokens``
+        self._pending_step: Any = None
 
     def _check_prompt_embeds_support(self) -> None:
         # The class nearest in the MRO that replaces run_model or declares support decides.
@@ -296,7 +311,35 @@ class ModelRunner:
                       non_block: bool = False) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         """Run one step. ``non_block=True`` (async scheduling) returns as soon as the step is
         queued on the device; its ``result()`` waits for the sampled tokens. The next step may
-        be run before that: tokens still on the device are fed to it there."""
+        be run before that: tokens still on the device are fed to it there.
+
+        With ``sched.pending_structured_output_tokens`` the step stops before sampling and
+        returns None; :meth:`sample_tokens` finishes it with the grammar bitmask."""
+        if self._pending_step is not None:
+            raise RuntimeError("execute_model called before sample_tokens finished the previous step")
+        output = self._execute(sched, non_block)
+        if sched.pending_structured_output_tokens:
+            self._pending_step = output
+            return None
+        return output
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: GrammarOutput | None,
+                      non_block: bool = False) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Finish the step :meth:`execute_model` left before sampling (vLLM's two-phase step):
+        apply ``grammar_output``'s bitmask rows and sample."""
+        pending, self._pending_step = self._pending_step, None
+        if pending is None:
+            raise RuntimeError("sample_tokens called without a step waiting for it")
+        if not isinstance(pending, _DeferredSample):  # the step did not sample (or did already)
+            return pending
+        if grammar_output is not None and grammar_output.grammar_bitmask is not None:
+            apply_grammar_bitmask(pending.logits, [s.req_id for s in pending.sample_states],
+                                  grammar_output.structured_output_request_ids, grammar_output.grammar_bitmask,
+                                  to_device=self.stage_to_device)
+        return self._sample(pending, non_block)
+
+    def _execute(self, sched: SchedulerOutput, non_block: bool) -> Any:
         batch = self.input_batch
         batch.update(sched)
         if self.lora_manager is not None:
@@ -339,17 +382,23 @@ class ModelRunner:
             return _done(output if spec is None else spec.propose(output, step, states), non_block)
         sample_states = [states[i] for i in step.sample_indices]
         logits = self.compute_sample_logits(step, hidden_states)
+        deferred = _DeferredSample(step, states, sample_states, logits, prompt_logprobs)
+        if sched.pending_structured_output_tokens:
+            return deferred  # NOTE: the forward is queued; sample_tokens applies the bitmask
         if sched.grammar_bitmask is not None:
             apply_grammar_bitmask(logits, [s.req_id for s in sample_states], sched.structured_output_request_ids,
-                                  sched.grammar_bitmask)
-        out = self.sampler(logits, self._sampling_metadata(sample_states, logits.shape[-1]))
-        batch.set_sampled_on_device(sample_states, out.sampled_token_ids)
+                                  sched.grammar_bitmask, to_device=self.stage_to_device)
+        return self._sample(deferred, non_block)
+
+    def _sample(self, d: _DeferredSample, non_block: bool) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        out = self.sampler(d.logits, self._sampling_metadata(d.sample_states, d.logits.shape[-1]))
+        self.input_batch.set_sampled_on_device(d.sample_states, out.sampled_token_ids)
         token_ids_host, event = self.copy_to_host(out.sampled_token_ids)
         pending = AsyncModelRunnerOutput(
-            step.req_ids, prompt_logprobs, sample_indices=step.sample_indices, sample_states=sample_states,
+            d.step.req_ids, d.prompt_logprobs, sample_indices=d.step.sample_indices, sample_states=d.sample_states,
             token_ids_host=token_ids_host, event=event, logprobs=out.logprobs_tensors)
-        if spec is not None:  # (a step without drafts samples as without speculation)
-            return _done(spec.propose(pending.result(), step, states), non_block)
+        if self.spec_decode is not None:  # (a step without drafts samples as without speculation)
+            return _done(self.spec_decode.propose(pending.result(), d.step, d.states), non_block)
         return pending if non_block else pending.result()
 
     def _pool(self, sched: SchedulerOutput, step: StepInputs, states: list,
@@ -441,6 +490,13 @@ class ModelRunner:
             return tensor.to(HOST), None
         host = tensor.to(HOST, non_blocking=True)
         return host, self.platform.record_event()
+
+    def stage_to_device(self, array: np.ndarray) -> torch.Tensor:
+        """``array`` on the device, copied without waiting where the platform pins memory."""
+        host = torch.from_numpy(np.ascontiguousarray(array))
+        if self.platform.is_pin_memory_available():
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
 
     def release_device_graphs(self) -> None:
         """Drop captured device graphs (sleep mode: they point at memory about to be freed).

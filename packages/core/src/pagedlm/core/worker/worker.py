@@ -18,7 +18,7 @@ from pagedlm.core.kv_cache.spec import AttentionSpec, KVCacheGroupSpec
 from pagedlm.core.logger import init_logger
 from pagedlm.core.platforms import resolve_platform
 from pagedlm.core.plugins import resolve_class_path
-from pagedlm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from pagedlm.core.worker.model_runner import AsyncModelRunnerOutput, ModelRunner
 from pagedlm.core.worker.profiler import WorkerProfiler
 from pagedlm.core.worker.sleep import SleepState
@@ -120,6 +120,12 @@ class Worker:
 
             return execute_with_kv_connector(self.kv_connector, self.model_runner, scheduler_output, non_block)
         return self.model_runner.execute_model(scheduler_output, non_block=non_block)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None,
+                      non_block: bool = False) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Finish a step run with ``pending_structured_output_tokens`` (``ModelRunner.sample_tokens``)."""
+        assert self.model_runner is not None
+        return self.model_runner.sample_tokens(grammar_output, non_block=non_block)
 
     def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
         """Start or stop this worker's torch profiler (``LLM.start_profile`` / ``stop_profile``)."""
