@@ -16,6 +16,10 @@ median of 20 replays, per call. The calls cycle through copies of the weights (a
 in all) so they are read from HBM, not from the 50 MiB L2. ``GB/s`` is the op's weight bytes
 (packed weights, scales, zero points, g_idx) per call over its time; the H200's HBM3e peaks at
 4.8 TB/s. The summary adds the four projections up: one decoder layer's linears, per row count.
+
+``--sweep-gemv`` instead times the decode matrix-vector kernel (W4A16 group 128, one row) at
+each shape over its tuning grid (columns per program, word rows per step, programs per SM,
+warps) and prints the best setting per shape next to the default's.
 """
 
 from __future__ import annotations
@@ -100,14 +104,48 @@ def wna16_cases(full: bool) -> list[tuple[int, int, bool, bool]]:
             for zeros, act in ((False, False), (True, False), (False, True)) if not (act and group == -1)]
 
 
+def sweep_gemv(dev: torch.device, gen: torch.Generator) -> None:
+    """The GEMV's tuning grid at one row, per Llama-3.1-8B shape (W4A16 group 128, symmetric)."""
+    from pagedlm.backends.cuda.kernels.wna16_gemv import wna16_gemv
+
+    for name, n, k in LLAMA_8B:
+        x = torch.randn(1, k, device=dev, generator=gen, dtype=torch.bfloat16)
+        qw = pack_rows(torch.randint(0, 16, (k, n), device=dev, generator=gen, dtype=torch.int32), 4)
+        s = (torch.rand(k // 128, n, device=dev, generator=gen) * 0.01 + 1e-3).to(torch.bfloat16)
+        ref = wna16_gemm_ref(x.float(), qw, s.float(), None, None, 4, 128)
+        size = nbytes(qw, s)
+        timings = []
+        for block_n in (64, 128, 256):
+            for cells in (8, 16, 32):
+                for programs_per_sm in (2, 4, 8):
+                    for num_warps in (4, 8):
+                        tuning = dict(block_n=block_n, cells=cells, programs_per_sm=programs_per_sm,
+                                      num_warps=num_warps)
+                        if rel_err(wna16_gemv(x, qw, s, None, None, 4, 128, **tuning), ref) > 2e-2:
+                            print(f"  {name}: {tuning} is WRONG")
+                            continue
+                        t, _ = time_cycled(lambda w, x=x, s=s, a=tuning: wna16_gemv(x, w, s, None, None, 4, 128, **a),
+                                           qw, size)
+                        timings.append((t, tuning))
+        default = next(t for t, c in timings if c == dict(block_n=128, cells=16, programs_per_sm=4, num_warps=4))
+        timings.sort(key=lambda item: item[0])
+        print(f"{name} N={n} K={k}: default {default * 1e3:.1f} us ({size / default / 1e6:.0f} GB/s); best:")
+        for t, tuning in timings[:3]:
+            print(f"  {t * 1e3:.1f} us ({size / t / 1e6:.0f} GB/s) {tuning}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="1,16,256", help="comma-separated row counts M (default 1,16,256)")
     parser.add_argument("--full", action="store_true", help="every bit width, group size, zero point and act-order")
+    parser.add_argument("--sweep-gemv", action="store_true", help="tune the decode GEMV instead (see above)")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
+    if args.sweep_gemv:
+        sweep_gemv(dev, gen)
+        return 0
     rows = [int(r) for r in args.rows.split(",")]
     fp8 = torch.cuda.get_device_capability(dev) >= (8, 9)
     results, failures = [], []

@@ -170,29 +170,33 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def gemv_config(m: int, n: int, k: int, bits: int, num_sms: int) -> tuple[int, int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, KW, k_per_split, SPLIT_K)``: 16 word rows x 128 columns per step in
-    all (8 KiB of weights), split along K until the grid has about four programs per SM, each
-    split keeping at least two steps."""
+def gemv_config(m: int, n: int, k: int, bits: int, num_sms: int, *, block_n: int = 128, cells: int = 16,
+                programs_per_sm: int = 4) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, KW, k_per_split, SPLIT_K)``: ``cells`` (rows x word rows) x ``block_n``
+    columns per step (16 x 128: 8 KiB of weights at one row), split along K until the grid has
+    about ``programs_per_sm`` programs per SM, each split keeping at least two steps. The keyword
+    arguments are for tuning (``bench_quant.py --sweep-gemv``)."""
     block_m = triton.next_power_of_2(m)
-    block_n = 128 if n >= 128 else max(16, triton.next_power_of_2(n))
-    kw = max(1, 16 // block_m)
+    block_n = block_n if n >= block_n else max(16, triton.next_power_of_2(n))
+    kw = max(1, cells // block_m)
     step = kw * (32 // bits)
     tiles = triton.cdiv(n, block_n)
-    split = max(1, min(triton.cdiv(4 * num_sms, tiles), k // (2 * step)))
+    split = max(1, min(triton.cdiv(programs_per_sm * num_sms, tiles), k // (2 * step)))
     k_per_split = triton.cdiv(triton.cdiv(k, split), step) * step
     return block_m, block_n, kw, k_per_split, triton.cdiv(k, k_per_split)
 
 
 def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-               g_idx: torch.Tensor | None, bits: int, group_size: int) -> torch.Tensor:
-    """``wna16_gemm`` for ``x [M <= GEMV_MAX_ROWS, K]`` (contiguous rows): ``[M, N]`` in x's dtype."""
+               g_idx: torch.Tensor | None, bits: int, group_size: int, *, num_warps: int = 4,
+               **tuning: int) -> torch.Tensor:
+    """``wna16_gemm`` for ``x [M <= GEMV_MAX_ROWS, K]`` (contiguous rows): ``[M, N]`` in x's dtype.
+    ``num_warps`` and ``tuning`` (:func:`gemv_config`'s keywords) are for tuning runs."""
     m, k = x.shape
     n = qweight.shape[1]
     pack = 32 // bits
     if g_idx is None and group_size % pack:
         raise ValueError(f"group_size={group_size} is not a multiple of the {pack} values of a packed word")
-    block_m, block_n, kw, k_per_split, split = gemv_config(m, n, k, bits, _num_sms(x.device))
+    block_m, block_n, kw, k_per_split, split = gemv_config(m, n, k, bits, _num_sms(x.device), **tuning)
     tiles = triton.cdiv(n, block_n)
     counters = split_k_counters(x.device, tiles) if split > 1 else None
     if split > 1 and counters is None:
@@ -204,5 +208,5 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
            out, part, counters if counters is not None else qweight,
            m, n, k, x.stride(0), out.stride(0), group_size, k_per_split,
            BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None, SPLIT_K=split,
-           BLOCK_M=block_m, BLOCK_N=block_n, KW=kw, num_warps=4)
+           BLOCK_M=block_m, BLOCK_N=block_n, KW=kw, num_warps=num_warps)
     return out
