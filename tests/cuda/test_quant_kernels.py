@@ -26,7 +26,7 @@ SHAPES = [(1, 64, 128), (5, 128, 256), (33, 96, 128)] if INTERPRET else [(1, 409
                                                                           (64, 4096, 1024), (300, 2048, 4096)]
 #: the matrix-vector kernel (M <= 4; split K and reduced in the same launch, K not a multiple of a
 #: split, N not a multiple of a tile), and the split-K tensor-core kernel (M <= 16)
-SMALL_M_SHAPES = ([(2, 96, 512), (3, 200, 1024), (4, 64, 384), (16, 128, 512)] if INTERPRET
+SMALL_M_SHAPES = ([(1, 64, 640), (2, 96, 512), (3, 200, 384), (4, 64, 256), (16, 128, 256)] if INTERPRET
                   else [(2, 6144, 4096), (3, 4096, 14336), (4, 28672, 4096), (16, 4096, 4096), (1, 200, 1152)])
 
 

@@ -10,7 +10,10 @@ weights, so the kernel is built to stream them:
 - integer-to-float without conversion instructions (a quarter-rate op): a field masked in place
   and OR-ed into the mantissa of ``2**23`` is the float ``2**23 + q * 2**off`` (``off`` its bit
   offset), so one float subtraction gives ``(q - z) * 2**off`` exactly and the activation is
-  pre-multiplied by ``2**-off`` (exact). Fields at bits 23 and above are shifted down once per word;
+  pre-multiplied by ``2**-off`` (exact). Fields that reach bit 23 are read from the word shifted
+  down once;
+- the loads of the next steps are in flight while a step is unpacked (``NUM_STAGES``: Triton's
+  async copies through shared memory);
 - group scales (and zero points) are constant over the ``32 // bits`` values of a word whenever
   the group size is a multiple of it (every layout core produces), so without ``g_idx`` they are
   applied once per word instead of once per value; with ``g_idx`` (act-order) per value;
@@ -91,7 +94,7 @@ def _gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_om, group_size, k_per_split,
     BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KW: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Program ``(n, split)``: rows ``[0, M)`` x columns ``[n * BLOCK_N, ...)`` over the K range
     ``[split * k_per_split, ...)``, in steps of ``KW`` packed words (``KW * 32 // BITS`` values)."""
@@ -114,7 +117,9 @@ def _gemv_kernel(
     acc = tl.zeros((BLOCK_M, KW, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    for k0 in range(k_start, k_end, KW * PACK):
+    # NUM_STAGES > 1: the word and scale loads of the next steps are in flight (async copies
+    # through shared memory) while this one is unpacked
+    for k0 in tl.range(k_start, k_end, KW * PACK, num_stages=NUM_STAGES):
         kw = k0 // PACK + rw  # word rows [1, KW, 1]
         w_ok = kw < k_end // PACK
         tile_ok = w_ok & n_ok
@@ -188,9 +193,11 @@ def gemv_config(m: int, n: int, k: int, bits: int, num_sms: int, *, block_n: int
 
 def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                g_idx: torch.Tensor | None, bits: int, group_size: int, *, num_warps: int = 4,
-               **tuning: int) -> torch.Tensor:
+               num_stages: int | None = None, **tuning: int) -> torch.Tensor:
     """``wna16_gemm`` for ``x [M <= GEMV_MAX_ROWS, K]`` (contiguous rows): ``[M, N]`` in x's dtype.
-    ``num_warps`` and ``tuning`` (:func:`gemv_config`'s keywords) are for tuning runs."""
+    ``num_warps``, ``num_stages`` (default 3; 1 with ``g_idx``, whose per-value scale gathers
+    would take ~100 KiB of shared memory in flight) and ``tuning`` (:func:`gemv_config`'s
+    keywords) are for tuning runs."""
     m, k = x.shape
     n = qweight.shape[1]
     pack = 32 // bits
@@ -201,6 +208,8 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     counters = split_k_counters(x.device, tiles) if split > 1 else None
     if split > 1 and counters is None:
         k_per_split, split = k, 1
+    if num_stages is None:
+        num_stages = 3 if g_idx is None else 1
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     launch(_gemv_kernel, (tiles, split),
@@ -208,5 +217,5 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
            out, part, counters if counters is not None else qweight,
            m, n, k, x.stride(0), out.stride(0), group_size, k_per_split,
            BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None, SPLIT_K=split,
-           BLOCK_M=block_m, BLOCK_N=block_n, KW=kw, num_warps=num_warps)
+           BLOCK_M=block_m, BLOCK_N=block_n, KW=kw, NUM_STAGES=num_stages, num_warps=num_warps)
     return out
