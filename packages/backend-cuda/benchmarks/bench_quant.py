@@ -116,7 +116,7 @@ def sweep_gemv(dev: torch.device, gen: torch.Generator) -> None:
         ref = wna16_gemm_ref(x.float(), qw, s.float(), None, None, 4, 128)
         size = nbytes(qw, s)
         timings = []
-        grid = itertools.product((64, 128, 256), (8, 16, 32), (2, 4, 8), (4, 8), (1, 3))
+        grid = itertools.product((64, 128, 256), (8, 16, 32), (2, 4, 8), (4,), (1, 3))
         for block_n, cells, programs_per_sm, num_warps, num_stages in grid:
             tuning = dict(block_n=block_n, cells=cells, programs_per_sm=programs_per_sm, num_warps=num_warps,
                           num_stages=num_stages)
