@@ -1,10 +1,12 @@
 """Decode paged-attention kernel alone: bytes of K/V read over kernel time, against the copy
 bandwidth measured on the same GPU, for a few launch configurations; plus one prefill shape.
 
-    python packages/backend-cuda/benchmarks/bench_attention.py [--batch 256] [--context 1024]
+    python packages/backend-cuda/benchmarks/bench_attention.py [--batch 256] [--context 1024] [--kv-cache-dtype fp8]
 
 Prints a table and writes ``--output-json``. Shapes default to Qwen3-0.6B's attention (16 query
-heads, 8 kv heads, head size 128), bf16, block size 16, block ids randomly permuted.
+heads, 8 kv heads, head size 128), bf16, block size 16, block ids randomly permuted
+(Llama-3.1-8B's: ``--heads 32``). ``--kv-cache-dtype fp8`` reads a float8_e4m3fn cache (the FP8
+KV cache; bytes counted at one per value), so its bandwidth compares with bf16's directly.
 """
 
 from __future__ import annotations
@@ -28,11 +30,16 @@ def copy_bandwidth() -> float:
     return float(CudaPlatform().copy_bandwidth_bytes_per_s(torch.device("cuda")) or 0.0)
 
 
+#: set by main from --kv-cache-dtype: the cache's dtype, and paged_attention's scale arguments
+KV_DTYPE: torch.dtype | None = None
+KV_SCALES: dict[str, torch.Tensor] = {}
+
+
 def make_batch(batch, context, heads, kv_heads, head, block_size, dtype, query_len=1, contexts=None):
     """``contexts`` (a list of ``batch`` lengths) makes a ragged batch; ``context`` is then the longest."""
     blocks_per = -(-context // block_size)
     num_blocks = batch * blocks_per + 8
-    cache = torch.randn(2, num_blocks, block_size, kv_heads, head, dtype=dtype, device="cuda")
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head, dtype=dtype, device="cuda").to(KV_DTYPE or dtype)
     perm = torch.randperm(num_blocks, device="cuda")[: batch * blocks_per].to(torch.int32)
     block_table = perm.view(batch, blocks_per).contiguous()
     if contexts is None:
@@ -63,13 +70,13 @@ def ragged_decode(args, dtype, bw: float, num_sms: int) -> dict:
                                                      args.block_size, dtype, contexts=contexts)
         order = torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
         out = torch.empty_like(query)
-        kv_bytes = 2 * sum(contexts) * args.kv_heads * args.head_size * 2
+        kv_bytes = 2 * sum(contexts) * args.kv_heads * args.head_size * cache.element_size()
         picked = choose_num_splits(batch, args.kv_heads, args.max_model_len, num_sms)
         row = {"picked_splits": picked}
         for ns, ordered in [(1, False), (1, True), (2, True), (4, True), (8, True), (16, True)]:
             kwargs = dict(block_table=bt, seq_lens=seq_lens, query_start_loc=qsl, num_reqs=batch, num_tokens=batch,
                           max_query_len=1, scale=args.head_size**-0.5, num_splits=ns,
-                          req_order=order if ordered else None)
+                          req_order=order if ordered else None, **KV_SCALES)
             # replayed from a CUDA graph, as the engine runs decode steps: timing launches from Python
             # would measure the host's launch overhead for the small batches
             ms = triton.testing.do_bench_cudagraph(
@@ -83,6 +90,7 @@ def ragged_decode(args, dtype, bw: float, num_sms: int) -> dict:
 
 
 def main() -> None:
+    global KV_DTYPE
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=1024)
@@ -93,22 +101,26 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=4096, help="what graphs capture the split count with")
     p.add_argument("--ragged-batches", type=int, nargs="*",
                    default=[256, 224, 192, 160, 128, 96, 64, 48, 32, 24, 16, 8, 4, 1])
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     dtype = torch.bfloat16
+    if args.kv_cache_dtype == "fp8":
+        KV_DTYPE = torch.float8_e4m3fn
+        KV_SCALES.update(k_scale=torch.tensor([0.05], device="cuda"), v_scale=torch.tensor([0.02], device="cuda"))
     bw = copy_bandwidth()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     cache, bt, seq_lens, qsl, query = make_batch(args.batch, args.context, args.heads, args.kv_heads,
                                                  args.head_size, args.block_size, dtype)
     out = torch.empty_like(query)
-    kv_bytes = 2 * args.batch * args.context * args.kv_heads * args.head_size * 2
+    kv_bytes = 2 * args.batch * args.context * args.kv_heads * args.head_size * cache.element_size()
     rows = []
     configs = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
     for cfg in configs:
         def run(cfg=cfg):
             paged_attention(out, query, cache[0], cache[1], block_table=bt, seq_lens=seq_lens, query_start_loc=qsl,
                             num_reqs=args.batch, num_tokens=args.batch, max_query_len=1,
-                            scale=args.head_size**-0.5, config=cfg)
+                            scale=args.head_size**-0.5, config=cfg, **KV_SCALES)
         try:
             ms = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
         except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory) is a result
@@ -125,9 +137,9 @@ def main() -> None:
             def run_split(ns=ns, o2=o2, qu2=qu2, c2=c2, bt2=bt2, sl2=sl2, q2s=q2s, batch=batch):
                 paged_attention(o2, qu2, c2[0], c2[1], block_table=bt2, seq_lens=sl2, query_start_loc=q2s,
                                 num_reqs=batch, num_tokens=batch, max_query_len=1, scale=args.head_size**-0.5,
-                                num_splits=ns)
+                                num_splits=ns, **KV_SCALES)
             ms = triton.testing.do_bench(run_split, warmup=25, rep=200, return_mode="median")
-            b = 2 * batch * 8192 * args.kv_heads * args.head_size * 2
+            b = 2 * batch * 8192 * args.kv_heads * args.head_size * c2.element_size()
             small[f"batch{batch}_ctx8192_splits{ns}"] = {"ms": ms, "TB/s": b / (ms * 1e-3) / 1e12}
     # one prefill shape: 16 prompts x 512 new tokens, no cache
     c3, bt3, sl3, q3s, qu3 = make_batch(16, 512, args.heads, args.kv_heads, args.head_size, args.block_size, dtype,
@@ -135,7 +147,7 @@ def main() -> None:
     o3 = torch.empty_like(qu3)
     ms = triton.testing.do_bench(
         lambda: paged_attention(o3, qu3, c3[0], c3[1], block_table=bt3, seq_lens=sl3, query_start_loc=q3s, num_reqs=16,
-                                num_tokens=16 * 512, max_query_len=512, scale=args.head_size**-0.5),
+                                num_tokens=16 * 512, max_query_len=512, scale=args.head_size**-0.5, **KV_SCALES),
         warmup=25, rep=200, return_mode="median")
     flops = 16 * args.heads * (512 * 512 / 2) * args.head_size * 4  # causal: half the QK^T and PV work
     prefill = {"ms": ms, "TFLOP/s": flops / (ms * 1e-3) / 1e12}

@@ -1,23 +1,40 @@
-"""Quantized GEMMs on a GPU: each kernel against dequantize-then-matmul, and its speed against bf16.
+"""Quantized GEMMs on a GPU: each kernel against dequantize-then-matmul, its time against a bf16
+matmul, and the weight-read bandwidth it reaches.
 
-    python packages/backend-cuda/benchmarks/bench_quant.py [--output-json quant.json] [--quick]
+    python packages/backend-cuda/benchmarks/bench_quant.py [--rows 1,16,256] [--full] [--output-json quant.json]
 
-For every shape (decode rows 1..16, prefill rows 128..4096, Llama-3.1-8B's projections) and
-format (W4A16 / W8A16 with group sizes 32, 64, 128 and per channel, symmetric and with zero
-points, act-order g_idx; FP8 dynamic and static; INT8 dynamic), it checks the op against core's
-torch reference (the op contract: dequantize, then matmul in float32) and times it with CUDA
-events against ``x @ W`` in bf16 (median of 50 runs after 10 warm-up runs). Exits non-zero when a
-result is off by more than the tolerance. Prints one line per case and writes everything to JSON.
+For Llama-3.1-8B's four projections (qkv, o, gate_up, down) and each row count M (default 1, 16
+and 256: a decode step at batch 1, 16 and 256), it times ``F.linear`` in bf16 and each quantized
+op: W4A16 group 128 (symmetric, zero points, act-order), W8A16 per channel, FP8 W8A8 (dynamic
+and static activation scales, and the activation quantization alone), INT8 W8A8 dynamic
+(``--full``: every bit width x group size x zero points / act-order). Each op is first checked
+against core's torch reference (the op contract); a result off by more than the tolerance makes
+the exit status non-zero.
+
+Timing is what a CUDA-graph replay costs, as in the engine: 20 calls captured in one graph,
+median of 20 replays, per call. The calls cycle through copies of the weights (at least 256 MiB
+in all) so they are read from HBM, not from the 50 MiB L2. ``GB/s`` is the op's weight bytes
+(packed weights, scales, zero points, g_idx) per call over its time; the H200's HBM3e peaks at
+4.8 TB/s. The summary adds the four projections up: one decoder layer's linears, per row count.
+
+``--sweep-gemv`` instead times the decode matrix-vector kernel (W4A16 group 128, one row) at
+each shape over its tuning grid (columns per program, word rows per step, programs per SM,
+warps, pipeline stages) and prints the best setting per shape next to the default's.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import sys
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
+from pagedlm.backends.cuda.kernels.quant_act import quantize_rows
 from pagedlm.backends.cuda.kernels.quant_gemm import fp8_scaled_mm, int8_scaled_mm, wna16_gemm
 from pagedlm.core.layers.quantization.utils import (
     fp8_scaled_mm_ref,
@@ -26,55 +43,137 @@ from pagedlm.core.layers.quantization.utils import (
     wna16_gemm_ref,
 )
 
-#: (N, K) of Llama-3.1-8B's linear layers: qkv, o, gate_up, down
-LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
-ROWS = [1, 4, 16, 128, 1024, 4096]
+#: name, N, K of Llama-3.1-8B's linear layers
+LLAMA_8B = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+CALLS_PER_GRAPH = 20
+MIN_BYTES_CYCLED = 256 << 20
 
 
-def timed(fn, warmup: int = 10, iters: int = 50) -> float:
-    for _ in range(warmup):
-        fn()
+def nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def time_per_call(fn: Callable[[int], object], copies: int) -> tuple[float, str]:
+    """Milliseconds per ``fn(i)`` (``i`` the weight copy), replayed from a CUDA graph; eager
+    (launch gaps included) when the op cannot be captured, which the second value says."""
+    for i in range(copies):
+        fn(i)
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(CALLS_PER_GRAPH):
+                fn(i % copies)
+        run, mode = graph.replay, "graph"
+    except RuntimeError as e:  # report it, and time it eagerly
+        print(f"  (not capturable: {e}; timed eagerly)")
+
+        def run() -> None:
+            for i in range(CALLS_PER_GRAPH):
+                fn(i % copies)
+        mode = "eager"
+    for _ in range(3):
+        run()
     times = []
-    for _ in range(iters):
+    for _ in range(20):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        run()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+        times.append(start.elapsed_time(end) / CALLS_PER_GRAPH)
+    return sorted(times)[len(times) // 2], mode
+
+
+def time_cycled(call: Callable[[torch.Tensor], object], weight: torch.Tensor, size: int) -> tuple[float, str]:
+    """:func:`time_per_call` of ``call(w)`` over copies of ``weight`` (``size`` bytes of weights
+    per call) that add up to at least ``MIN_BYTES_CYCLED``."""
+    copies = max(1, min(64, math.ceil(MIN_BYTES_CYCLED / size)))
+    weights = [weight] + [weight.clone() for _ in range(copies - 1)]
+    return time_per_call(lambda i: call(weights[i]), copies)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6))
 
 
-def wna16_cases(quick: bool):
-    groups = [128] if quick else [32, 64, 128, -1]
-    for bits in (4, 8):
-        for group in groups:
-            for zeros, act_order in ((False, False), (True, False), (False, True)):
-                if act_order and group == -1:
-                    continue
-                yield bits, group, zeros, act_order
+def wna16_cases(full: bool) -> list[tuple[int, int, bool, bool]]:
+    """(bits, group, zero points, act-order)."""
+    if not full:
+        return [(4, 128, False, False), (4, 128, True, False), (4, 128, False, True), (8, -1, False, False)]
+    return [(bits, group, zeros, act) for bits in (4, 8) for group in (32, 64, 128, -1)
+            for zeros, act in ((False, False), (True, False), (False, True)) if not (act and group == -1)]
+
+
+def sweep_gemv(dev: torch.device, gen: torch.Generator) -> None:
+    """The GEMV's tuning grid at one row, per Llama-3.1-8B shape (W4A16 group 128, symmetric)."""
+    from pagedlm.backends.cuda.kernels.wna16_gemv import wna16_gemv
+
+    for name, n, k in LLAMA_8B:
+        x = torch.randn(1, k, device=dev, generator=gen, dtype=torch.bfloat16)
+        qw = pack_rows(torch.randint(0, 16, (k, n), device=dev, generator=gen, dtype=torch.int32), 4)
+        s = (torch.rand(k // 128, n, device=dev, generator=gen) * 0.01 + 1e-3).to(torch.bfloat16)
+        ref = wna16_gemm_ref(x.float(), qw, s.float(), None, None, 4, 128)
+        size = nbytes(qw, s)
+        timings = []
+        grid = itertools.product((64, 128, 256), (8, 16, 32), (2, 4, 8), (4,), (1, 3))
+        for block_n, cells, programs_per_sm, num_warps, num_stages in grid:
+            tuning = dict(block_n=block_n, cells=cells, programs_per_sm=programs_per_sm, num_warps=num_warps,
+                          num_stages=num_stages)
+            if rel_err(wna16_gemv(x, qw, s, None, None, 4, 128, **tuning), ref) > 2e-2:
+                print(f"  {name}: {tuning} is WRONG")
+                continue
+            t, _ = time_cycled(lambda w, x=x, s=s, a=tuning: wna16_gemv(x, w, s, None, None, 4, 128, **a), qw, size)
+            timings.append((t, tuning))
+        default = next(t for t, c in timings
+                       if c == dict(block_n=128, cells=16, programs_per_sm=4, num_warps=4, num_stages=3))
+        timings.sort(key=lambda item: item[0])
+        print(f"{name} N={n} K={k}: default {default * 1e3:.1f} us ({size / default / 1e6:.0f} GB/s); best:")
+        for t, tuning in timings[:3]:
+            print(f"  {t * 1e3:.1f} us ({size / t / 1e6:.0f} GB/s) {tuning}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", default="1,16,256", help="comma-separated row counts M (default 1,16,256)")
+    parser.add_argument("--full", action="store_true", help="every bit width, group size, zero point and act-order")
+    parser.add_argument("--sweep-gemv", action="store_true", help="tune the decode GEMV instead (see above)")
     parser.add_argument("--output-json", default=None)
-    parser.add_argument("--quick", action="store_true", help="group 128 only, fewer row counts")
     args = parser.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    rows = [1, 16, 1024] if args.quick else ROWS
+    if args.sweep_gemv:
+        sweep_gemv(dev, gen)
+        return 0
+    rows = [int(r) for r in args.rows.split(",")]
+    fp8 = torch.cuda.get_device_capability(dev) >= (8, 9)
     results, failures = [], []
     print(f"device: {torch.cuda.get_device_name(dev)}, capability {torch.cuda.get_device_capability(dev)}")
-    for n, k in LLAMA_8B:
-        w_bf16 = torch.randn(k, n, device=dev, generator=gen, dtype=torch.bfloat16) * 0.02
+
+    def record(op: str, label: str, name: str, m: int, n: int, k: int, ms: float, mode: str, weight_bytes: int,
+               bf16_ms: float, err: float | None = None, tol: float = 0.0, **extra) -> None:
+        gbs = weight_bytes / ms / 1e6
+        case = {"op": op, "label": label, "shape": name, "m": m, "n": n, "k": k, "ms": ms, "timing": mode,
+                "weight_bytes": weight_bytes, "weight_gb_s": gbs, "bf16_ms": bf16_ms, "speedup": bf16_ms / ms,
+                "rel_err": err, **extra}
+        results.append(case)
+        if err is not None and err > tol:
+            failures.append(case)
+        bandwidth = f"{gbs:7.0f} GB/s" if weight_bytes else " " * 12
+        check = "" if err is None else f"  err {err:.1e}"
+        print(f"  {label:<24} {ms * 1e3:9.1f} us  {bandwidth}  x{bf16_ms / ms:5.2f} vs bf16{check}"
+              f"{'' if mode == 'graph' else '  (eager)'}")
+
+    for name, n, k in LLAMA_8B:
+        w_bf16 = torch.randn(n, k, device=dev, generator=gen, dtype=torch.bfloat16) * 0.02
         for m in rows:
             x = torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16)
-            t_bf16 = timed(lambda x=x, w=w_bf16: x @ w)
-            for bits, group, zeros, act_order in wna16_cases(args.quick):
+            t_bf16, mode = time_cycled(lambda w, x=x: F.linear(x, w), w_bf16, nbytes(w_bf16))
+            print(f"{name} N={n} K={k} M={m}: bf16 {t_bf16 * 1e3:.1f} us, {nbytes(w_bf16) / t_bf16 / 1e6:.0f} GB/s")
+            results.append({"op": "bf16", "label": "bf16", "shape": name, "m": m, "n": n, "k": k, "ms": t_bf16,
+                            "timing": mode, "weight_bytes": nbytes(w_bf16),
+                            "weight_gb_s": nbytes(w_bf16) / t_bf16 / 1e6})
+            for bits, group, zeros, act_order in wna16_cases(args.full):
                 g = k if group == -1 else group
                 q = torch.randint(0, 1 << bits, (k, n), device=dev, generator=gen, dtype=torch.int32)
                 qw = pack_rows(q, bits)
@@ -83,45 +182,46 @@ def main() -> int:
                     if zeros else None
                 gi = (torch.arange(k, device=dev) // g)[torch.randperm(k, device=dev, generator=gen)].to(torch.int32) \
                     if act_order else None
-                out = wna16_gemm(x, qw, s, z, gi, bits, g)
-                err = rel_err(out, wna16_gemm_ref(x.float(), qw, s.float(), z, gi, bits, g))
-                t = timed(lambda a=(x, qw, s, z, gi, bits, g): wna16_gemm(*a))
-                case = {"op": "wna16_gemm", "bits": bits, "group": group, "zeros": zeros, "act_order": act_order,
-                        "m": m, "n": n, "k": k, "rel_err": err, "ms": t, "bf16_ms": t_bf16, "speedup": t_bf16 / t}
-                results.append(case)
-                if err > 2e-2:
-                    failures.append(case)
-                print(f"wna16 int{bits} g{group:<4} zp={int(zeros)} act={int(act_order)} m={m:<5} n={n:<6} k={k:<6} "
-                      f"err {err:.1e}  {t:.3f} ms  (bf16 {t_bf16:.3f} ms, x{t_bf16 / t:.2f})")
-            if torch.cuda.get_device_capability(dev) >= (8, 9):
+                err = rel_err(wna16_gemm(x, qw, s, z, gi, bits, g),
+                              wna16_gemm_ref(x.float(), qw, s.float(), z, gi, bits, g))
+                size = nbytes(qw, s, z, gi)
+                t, mode = time_cycled(lambda w, x=x, a=(s, z, gi, bits, g): wna16_gemm(x, w, *a), qw, size)
+                label = f"w{bits}a16 g{group}{' zp' if zeros else ''}{' act-order' if act_order else ''}"
+                record("wna16_gemm", label, name, m, n, k, t, mode, size, t_bf16, err, 2e-2, bits=bits,
+                       group=group, zeros=zeros, act_order=act_order)
+            if fp8:
                 wf = (torch.randn(n, k, device=dev, generator=gen) * 0.05).to(torch.float8_e4m3fn)
-                ws = torch.rand(n, device=dev, generator=gen) * 0.01 + 1e-3
+                wsc = torch.rand(n, device=dev, generator=gen) * 0.01 + 1e-3
                 for static in (False, True):
                     xs = (x.float().abs().amax() / 448).reshape(1) if static else None
-                    err = rel_err(fp8_scaled_mm(x, wf, ws, xs), fp8_scaled_mm_ref(x, wf, ws, xs))
-                    t = timed(lambda a=(x, wf, ws, xs): fp8_scaled_mm(*a))
-                    case = {"op": "fp8_scaled_mm", "static": static, "m": m, "n": n, "k": k, "rel_err": err,
-                            "ms": t, "bf16_ms": t_bf16, "speedup": t_bf16 / t}
-                    results.append(case)
-                    if err > 3e-2:
-                        failures.append(case)
-                    print(f"fp8 {'static ' if static else 'dynamic'} m={m:<5} n={n:<6} k={k:<6} err {err:.1e}  "
-                          f"{t:.3f} ms  (bf16 {t_bf16:.3f} ms, x{t_bf16 / t:.2f})")
+                    err = rel_err(fp8_scaled_mm(x, wf, wsc, xs), fp8_scaled_mm_ref(x, wf, wsc, xs))
+                    t, mode = time_cycled(lambda w, x=x, a=(wsc, xs): fp8_scaled_mm(x, w, *a), wf, nbytes(wf, wsc))
+                    record("fp8_scaled_mm", f"fp8 {'static' if static else 'dynamic'}", name, m, n, k, t, mode,
+                           nbytes(wf, wsc), t_bf16, err, 3e-2, static=static)
+                t, mode = time_per_call(lambda i, x=x: quantize_rows(x, torch.float8_e4m3fn, None), 1)
+                record("quantize_rows", "  of which act. quant", name, m, n, k, t, mode, 0, t_bf16)
             wi = torch.randint(-128, 128, (n, k), device=dev, generator=gen, dtype=torch.int8)
-            ws = torch.rand(n, device=dev, generator=gen) * 0.01 + 1e-3
-            err = rel_err(int8_scaled_mm(x, wi, ws, None), int8_scaled_mm_ref(x, wi, ws, None))
-            t = timed(lambda a=(x, wi, ws, None): int8_scaled_mm(*a))
-            case = {"op": "int8_scaled_mm", "m": m, "n": n, "k": k, "rel_err": err, "ms": t, "bf16_ms": t_bf16,
-                    "speedup": t_bf16 / t}
-            results.append(case)
-            if err > 2e-2:
-                failures.append(case)
-            print(f"int8 dynamic m={m:<5} n={n:<6} k={k:<6} err {err:.1e}  {t:.3f} ms  (bf16 {t_bf16:.3f} ms, "
-                  f"x{t_bf16 / t:.2f})")
+            wsc = torch.rand(n, device=dev, generator=gen) * 0.01 + 1e-3
+            err = rel_err(int8_scaled_mm(x, wi, wsc, None), int8_scaled_mm_ref(x, wi, wsc, None))
+            t, mode = time_cycled(lambda w, x=x, a=(wsc, None): int8_scaled_mm(x, w, *a), wi, nbytes(wi, wsc))
+            record("int8_scaled_mm", "int8 dynamic", name, m, n, k, t, mode, nbytes(wi, wsc), t_bf16, err, 2e-2)
+            torch.cuda.empty_cache()
+
+    print("\none decoder layer's linears (qkv + o + gate_up + down), per row count:")
+    for m in rows:
+        per_op: dict[str, float] = {}
+        for r in results:
+            if r["m"] == m and r["op"] != "quantize_rows":
+                per_op[r["label"]] = per_op.get(r["label"], 0.0) + r["ms"]
+        base = per_op.pop("bf16")
+        print(f"  M={m}: bf16 {base * 1e3:.0f} us; " +
+              "; ".join(f"{op} {t * 1e3:.0f} us (x{base / t:.2f})" for op, t in per_op.items()))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(dev), "results": results}, f, indent=1)
-    print(f"{len(results) - len(failures)} passed, {len(failures)} failed")
+    print(f"{len(results) - len(failures)} results, {len(failures)} failed the reference check")
+    for case in failures:
+        print("  FAILED:", case)
     return 1 if failures else 0
 
 

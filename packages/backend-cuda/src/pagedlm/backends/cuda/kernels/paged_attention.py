@@ -162,7 +162,13 @@ def _paged_attention_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
         bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
         head_off = kv_head * HEAD_SIZE
-        if FP8_KV:  # stored = value / scale
+        # NOTE: an FP8 cache (stored = value / scale) is rescaled tile by tile on purpose. Folding
+        # k_scale into the softmax scale and v_scale into the output (no per-element multiply)
+        # compiled worse for sm_90 (Triton 3.9, SASS): the bare fp8 -> bf16 casts were moved into
+        # the dot-operand layout, read from shared memory byte by byte (LDS.U8) with 8-byte async
+        # copies, where the multiply keeps 16-byte copies and vector loads; the multiply itself
+        # is a full-rate FMUL next to the conversions every bf16 dot of fp8 values needs.
+        if FP8_KV:
             k_scale = tl.load(k_scale_ptr)
             v_scale = tl.load(v_scale_ptr)
         for start in range(kv_lo, kv_hi, BLOCK_N):

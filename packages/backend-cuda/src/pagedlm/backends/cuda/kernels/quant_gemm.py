@@ -1,16 +1,18 @@
 """Quantized GEMMs for platform ``cuda``: the ``wna16_gemm``, ``fp8_scaled_mm`` and
 ``int8_scaled_mm`` ops of :data:`pagedlm.core.layers.custom_ops.OP_CONTRACTS`.
 
-- ``wna16_gemm``: a Triton GEMM that reads the packed int4/int8 weights (``[K // pack, N]``
-  int32, GPTQ's K-major layout every integer format is converted to) and dequantizes each
-  ``[BLOCK_K, BLOCK_N]`` tile in its inner loop (scales and zero points by group, or through
-  ``g_idx`` for act-order), accumulating in float32; weights are read from memory once, at 4 or
-  8 bits. Decode-shaped inputs (few rows) use the same kernel split along K (``SPLIT_K``
-  programs per output tile, float32 atomics), so a batch of one still spreads over the GPU.
-- ``fp8_scaled_mm``: per-token (or static) activation quantization, then ``torch._scaled_mm``
-  with row-wise scales (Hopper / Ada FP8 tensor cores).
-- ``int8_scaled_mm``: per-token int8 activations, ``torch._int_mm`` (int32 accumulation), then
-  the scales.
+- ``wna16_gemm``: at most ``GEMV_MAX_ROWS`` rows (decode), the matrix-vector kernel of
+  :mod:`.wna16_gemv`; more rows, a Triton GEMM that reads the packed int4/int8 weights
+  (``[K // pack, N]`` int32, GPTQ's K-major layout every integer format is converted to) and
+  dequantizes each ``[BLOCK_K, BLOCK_N]`` tile in its inner loop (scales and zero points by group,
+  or through ``g_idx`` for act-order), accumulating in float32 on tensor cores; weights are read
+  from memory once, at 4 or 8 bits. Up to 16 rows it splits K across programs (reduced in the
+  same launch, :func:`.wna16_gemv.split_k_store`), so a small batch still spreads over the GPU.
+- ``fp8_scaled_mm``: per-token (or static) activation quantization in one kernel
+  (:mod:`.quant_act`), then ``torch._scaled_mm`` with row-wise scales (Hopper / Ada FP8 tensor
+  cores).
+- ``int8_scaled_mm``: the same quantization to int8, ``torch._int_mm`` (int32 accumulation), then
+  one kernel for the scales and bias.
 
 Registered by the backend's ``pagedlm_register_ops`` (:mod:`pagedlm.backends.cuda.plugin`).
 """
@@ -22,16 +24,15 @@ import triton
 import triton.language as tl
 
 from pagedlm.backends.cuda.kernels.launch import launch
+from pagedlm.backends.cuda.kernels.quant_act import int8_dequant_epilogue, quantize_rows
+from pagedlm.backends.cuda.kernels.wna16_gemv import GEMV_MAX_ROWS, split_k_counters, split_k_store, wna16_gemv
 
 __all__ = ["fp8_scaled_mm", "int8_scaled_mm", "wna16_gemm"]
-
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
-INT8_SCALE_DIVISOR = 127.5  # core's convention (compressed-tensors'): see the op contract
 
 
 @triton.jit
 def _wna16_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_om, group_size, k_per_split,
     BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -67,12 +68,8 @@ def _wna16_kernel(
             z = 1 << (BITS - 1)
         w = ((q - z).to(tl.float32) * s.to(tl.float32)).to(x_ptr.dtype.element_ty)
         acc += tl.dot(x, w, out_dtype=tl.float32)
-    mask = m_ok[:, None] & n_ok[None, :]
-    offs = rm[:, None] * stride_om + rn[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(out_ptr + offs, acc, mask=mask)
+    split_k_store(acc, out_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_om, pid_m * tl.num_programs(1) + pid_n,
+                  pid_k, SPLIT_K)
 
 
 def _wna16_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
@@ -98,35 +95,37 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     n = qweight.shape[1]
     if qweight.shape[0] * (32 // bits) != k:
         raise ValueError(f"qweight {tuple(qweight.shape)} does not hold {k} rows of {bits}-bit values")
+    if 0 < m <= GEMV_MAX_ROWS:
+        return wna16_gemv(x, qweight, scales, zeros, g_idx, bits, group_size)
     block_m, block_n, block_k, split = _wna16_config(m, n, k)
-    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    out = (torch.zeros(m, n, dtype=torch.float32, device=x.device) if split > 1
-           else torch.empty(m, n, dtype=x.dtype, device=x.device))
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
+    counters = split_k_counters(x.device, grid[0] * grid[1]) if split > 1 else None
+    if split > 1 and counters is None:
+        grid, split = grid[:2] + (1,), 1
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     launch(_wna16_kernel, grid,
            x, qweight, scales, zeros if zeros is not None else scales, g_idx if g_idx is not None else qweight, out,
+           part, counters if counters is not None else qweight,
            m, n, k, x.stride(0), out.stride(0), group_size, k_per_split,
            BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None, SPLIT_K=split,
            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-    return out.to(x.dtype) if split > 1 else out
-
-
-def _per_token_scale(x: torch.Tensor, divisor: float) -> torch.Tensor:
-    return (x.float().abs().amax(dim=-1, keepdim=True) / divisor).clamp(min=1e-12)
+    return out
 
 
 def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                   input_scale: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The ``fp8_scaled_mm`` op: ``x [.., K]`` quantized to float8_e4m3fn (per token, or with the
-    static ``input_scale``), ``torch._scaled_mm`` with row-wise scales ``[M, 1] x [1, N]``."""
+    static ``input_scale``) in one kernel, ``torch._scaled_mm`` with row-wise scales ``[M, 1] x [1, N]``."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    m = x2.shape[0]
-    scale_a = _per_token_scale(x2, FP8_MAX) if input_scale is None else input_scale.float().reshape(1, 1).expand(m, 1)
-    x_q = (x2.float() / scale_a).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    x_q, scale_a = quantize_rows(x.reshape(-1, shape[-1]), torch.float8_e4m3fn, input_scale)
     out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-    # NOTE: row-wise scaling wants a bf16 output on Hopper; fp32 models get their result cast back
-    out = torch._scaled_mm(x_q, weight.t(), scale_a=scale_a.contiguous(), scale_b=weight_scale.float().reshape(1, -1),
+    # NOTE: row-wise scaling wants a bf16 output on Hopper; fp32 models get their result cast back.
+    # weight [N, K] row-major is the column-major [K, N] operand cuBLASLt's FP8 kernels take.
+    out = torch._scaled_mm(x_q, weight.t(), scale_a=scale_a, scale_b=weight_scale.float().reshape(1, -1),
                            out_dtype=out_dtype)
     out = out.to(x.dtype)
     if bias is not None:
@@ -136,19 +135,14 @@ def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
 
 def int8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                    input_scale: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The ``int8_scaled_mm`` op: per-token (or static) int8 activations, ``torch._int_mm`` (int32
-    accumulation; it needs more than 16 rows, so short batches are padded), then the scales."""
+    """The ``int8_scaled_mm`` op: per-token (or static) int8 activations in one kernel,
+    ``torch._int_mm`` (int32 accumulation; it needs more than 16 rows, so short batches are padded
+    with unused rows), then one kernel applying the scales and bias."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     m = x2.shape[0]
-    scale_a = (_per_token_scale(x2, INT8_SCALE_DIVISOR) if input_scale is None
-               else input_scale.float().reshape(1, 1).expand(m, 1))
-    x_q = torch.round(x2.float() / scale_a).clamp(-128, 127).to(torch.int8)
     rows = max(32, -(-m // 8) * 8)
-    if rows != m:
-        x_q = torch.nn.functional.pad(x_q, (0, 0, 0, rows - m))
-    acc = torch._int_mm(x_q, weight.t())[:m]
-    out = (acc.float() * scale_a * weight_scale.float().reshape(1, -1)).to(x.dtype)
-    if bias is not None:
-        out = out + bias
+    x_q, scale_a = quantize_rows(x2, torch.int8, input_scale, rows=rows)
+    acc = torch._int_mm(x_q, weight.t())
+    out = int8_dequant_epilogue(acc, scale_a, weight_scale.float().reshape(-1), bias, m, x.dtype)
     return out.reshape(*shape[:-1], weight.shape[0])
