@@ -53,7 +53,9 @@ def _quantize_rows_kernel(
     # NOTE: the second pass re-reads the row (from L1/L2: a row is at most a few tens of KiB)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        v = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32) / scale
+        # NOTE: div_rn, not ``/`` (an approximate division on the GPU): int8 rounding must see
+        # the reference's IEEE quotient (a GPU run found values one step off for K > 4096)
+        v = tl.math.div_rn(tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32), scale)
         v = tl.minimum(tl.maximum(v, QMIN), QMAX)
         if ROUND:  # clamped to integer bounds first, so rounding cannot leave them
             v = (v + _RNE_MAGIC) - _RNE_MAGIC
