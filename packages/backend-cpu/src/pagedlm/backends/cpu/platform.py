@@ -10,6 +10,7 @@ import torch
 
 from pagedlm.core.logger import init_logger
 from pagedlm.core.platforms import Platform
+from pagedlm.core.utils.cores import usable_cores
 
 if TYPE_CHECKING:
     from pagedlm.core.config import VllmConfig
@@ -106,20 +107,6 @@ class CpuPlatform(Platform):
         if available is None:
             return "available host memory: unknown"
         return f"available host memory: {available / GiB:.2f} GiB"
-
-
-def usable_cores() -> int:
-    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota
-    (containers), at least 1. torch's default counts the machine's cores instead."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()
-        if quota != "max":
-            cores = min(cores, -(-int(quota) // int(period)))
-    except (OSError, ValueError):
-        pass
-    return max(1, cores)
 
 
 def fast_bf16() -> bool:

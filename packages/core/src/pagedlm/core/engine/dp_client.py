@@ -49,8 +49,9 @@ def _run_replica(vllm_config: VllmConfig, conn: Any) -> None:
     import torch
 
     pc = vllm_config.parallel_config
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, cores // (pc.data_parallel_size * pc.world_size)))
+    from pagedlm.core.utils.cores import usable_cores
+
+    torch.set_num_threads(max(1, usable_cores() // (pc.data_parallel_size * pc.world_size)))
     from pagedlm.core.engine.core import EngineCore
 
     try:

@@ -10,6 +10,7 @@ import numpy as np
 
 from pagedlm.core.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
 from pagedlm.core.structured_output.params import StructuredOutputsParams
+from pagedlm.core.utils.cores import usable_cores
 
 #: below this many rows one thread fills the bitmask faster than a batch spread over threads
 _BATCH_FILL_MIN_ROWS = 16
@@ -204,7 +205,8 @@ class XgrammarBackend(StructuredOutputBackend):
             super().fill_bitmasks(grammars, bitmask)
             return
         if self._batch_matcher is None:
-            self._batch_matcher = self._xgr.BatchGrammarMatcher()
+            # every core: the engine core's thread waits for the fill, the device runs the forward
+            self._batch_matcher = self._xgr.BatchGrammarMatcher(max_threads=usable_cores())
         # NOTE: xgrammar fills the rows on its own threads, without the GIL
         self._batch_matcher.batch_fill_next_token_bitmask(
             [g.matcher for g in grammars], bitmask)  # type: ignore[attr-defined]

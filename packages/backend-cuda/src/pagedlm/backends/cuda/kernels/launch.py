@@ -18,7 +18,6 @@ used, and nothing in it may index memory with them.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +27,8 @@ from typing import Any
 
 import triton
 from triton.runtime import driver
+
+from pagedlm.core.utils.cores import usable_cores
 
 __all__ = ["compile_only", "launch"]
 
@@ -76,8 +77,7 @@ def compile_only(max_workers: int | None = None) -> Iterator[CompileStats]:
     cores this process may use, at most 16) instead of launching; on leaving, waits for them all
     (and raises the first compile error)."""
     if max_workers is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        max_workers = max(1, min(16, cores))
+        max_workers = max(1, min(16, usable_cores()))
     stats = CompileStats()
     start = time.perf_counter()
     with _CompilePool(max_workers, thread_name_prefix="triton-compile") as pool:
