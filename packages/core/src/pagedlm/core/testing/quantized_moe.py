@@ -93,8 +93,9 @@ def make_quantized_experts_checkpoint(src: str, out_dir: str | Path, preset: str
     config = json.loads((src_dir / "config.json").read_text())
     qconfig = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format=fmt,
                                  quantization_status=QuantizationStatus.COMPRESSED)
-    for path, tensors, cfg in ((out, quantized, {**config, "quantization_config": {
-            **qconfig.model_dump(mode="json"), "quant_method": "compressed-tensors"}}), (reference, dequantized, config)):
+    quantized_config = {**config, "quantization_config": {**qconfig.model_dump(mode="json"),
+                                                          "quant_method": "compressed-tensors"}}
+    for path, tensors, cfg in ((out, quantized, quantized_config), (reference, dequantized, config)):
         path.mkdir(parents=True, exist_ok=True)
         save_file({n: t.contiguous() for n, t in tensors.items()}, str(path / "model.safetensors"))
         (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
