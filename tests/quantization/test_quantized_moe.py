@@ -213,3 +213,22 @@ def test_tensor_and_expert_parallel_give_single_rank_tokens(arch, name, layouts,
     one = _tp_tokens(model_dir)
     for layout in layouts:
         assert _tp_tokens(model_dir, **layout) == one, layout
+
+
+@pytest.mark.parametrize(("quantization", "method"), [("fp8", "Fp8MoEMethod"),
+                                                      ("compressed-tensors", "CompressedTensorsWNA16MoEMethod")])
+def test_benchmark_config_runs_with_dummy_quantized_experts(quantization, method, tmp_path):
+    """What ``pagedlm bench --model-config qwen3-30b-a3b --load-format dummy --quantization ...``
+    builds (compressed-tensors: its dummy W4A16 group 128), shrunk so the CPU runs it."""
+    from pagedlm.core.bench.common import model_config_dir
+
+    path = model_config_dir("qwen3-30b-a3b", str(tmp_path / "qwen3-30b-a3b"))
+    overrides = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 256, "vocab_size": 1000,
+                 "num_experts": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "moe_intermediate_size": 256,
+                 "head_dim": 64}
+    llm = LLM(model=path, load_format="dummy", skip_tokenizer_init=True, dtype="float32", device="cpu",
+              hf_overrides=overrides, max_model_len=128, quantization=quantization)
+    assert type(_experts(llm).quant_method).__name__ == method
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True),
+                        use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 4

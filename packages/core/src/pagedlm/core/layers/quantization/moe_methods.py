@@ -133,9 +133,9 @@ class CompressedTensorsWNA16MoEMethod(FusedMoEMethodBase):
         for what, k in (("hidden size", hidden), ("intermediate size per rank", inter)):
             if k % p or (g != -1 and k % g):
                 raise ValueError(
-                    f"{layer.prefix}: the experts' {what} {k} is not a multiple of {p} ({self.bits}-bit values per "
-                    f"int32)" + ("" if g == -1 else f" and of group_size={g}") + "; use a tensor-parallel size that "
-                    "keeps whole groups, or enable_expert_parallel=True")
+                    f"{layer.prefix}: the experts' {what} is {k}; it must be a multiple of {p} ({self.bits}-bit "
+                    f"values per int32)" + ("" if g == -1 else f" and of group_size={g}") + "; use a tensor-parallel "
+                    "size that keeps whole groups, or enable_expert_parallel=True")
 
     def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra: Any) -> None:
