@@ -228,7 +228,11 @@ def test_benchmark_config_runs_with_dummy_quantized_experts(quantization, method
                  "head_dim": 64}
     llm = LLM(model=path, load_format="dummy", skip_tokenizer_init=True, dtype="float32", device="cpu",
               hf_overrides=overrides, max_model_len=128, quantization=quantization)
-    assert type(_experts(llm).quant_method).__name__ == method
+    moe = _experts(llm)
+    assert type(moe.quant_method).__name__ == method
+    # FP8: a quarter of the float32 experts' bytes; int4: an eighth (plus scales)
+    stored = sum(p.numel() * p.element_size() for p in moe.parameters())
+    assert stored <= (0.27 if quantization == "fp8" else 0.14) * 8 * 3 * 256 * 256 * 4
     outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True),
                         use_tqdm=False)
     assert len(outs[0].outputs[0].token_ids) == 4
