@@ -53,6 +53,8 @@ def pagedlm_register_ops(register: Callable[..., None]) -> None:
     for op in ("wna16_gemm", "fp8_scaled_mm", "int8_scaled_mm"):
         register(op, "cuda", f"pagedlm.backends.cuda.kernels.quant_gemm:{op}")
     register("fused_experts", "cuda", "pagedlm.backends.cuda.kernels.fused_moe:fused_experts")
+    register("fused_experts_fp8", "cuda", "pagedlm.backends.cuda.kernels.fused_moe_quant:fused_experts_fp8")
+    register("fused_experts_wna16", "cuda", "pagedlm.backends.cuda.kernels.fused_moe_quant:fused_experts_wna16")
     # The batched LoRA update (kernels/lora.py): grouped shrink/expand over the step's slots.
     for op in ("lora_shrink", "lora_expand"):
         register(op, "cuda", f"pagedlm.backends.cuda.kernels.lora:{op}")

@@ -13,9 +13,10 @@ lookup, and models built for different platforms in one process each keep their 
 built outside :func:`use_ops` (most unit tests) runs core's torch code.
 
 Op names: :data:`OP_CONTRACTS` holds the contracts core's layers call; a change that adds a core
-op (a quantized GEMM, LoRA shrink/expand; ``fused_experts`` came with API 1.1) adds its contract
-there and bumps the minor ``API_VERSION``. A plugin's own layers may call ops of their own under a dotted name
-(``"myplugin.fused_gate"``), whose contract that plugin documents; any other name is an error.
+op (a quantized GEMM, LoRA shrink/expand; ``fused_experts`` came with API 1.1, its quantized
+variants with 1.3) adds its contract there and bumps the minor ``API_VERSION``. A plugin's own
+layers may call ops of their own under a dotted name (``"myplugin.fused_gate"``), whose contract
+that plugin documents; any other name is an error.
 """
 
 from __future__ import annotations
@@ -89,6 +90,22 @@ OP_CONTRACTS: Mapping[str, str] = MappingProxyType({
         "(topk_weights[t, k] * y rounded to the dtype), summed in float32 and rounded once. The weights are "
         "the layer's parameters (contiguous); no input is modified; no host synchronisation on devices that "
         "capture graphs."
+    ),
+    # Quantized experts (API 1.3; references in layers/fused_moe/quantized_reference.py).
+    "fused_experts_fp8": (
+        "fn(hidden_states [T, H], w13 [E, 2I, H] float8_e4m3fn, w2 [E, H, I] float8_e4m3fn, w13_scale [E, 2I] "
+        "float32, w2_scale [E, H] float32 (per output channel), topk_weights, topk_ids, expert_map) -> [T, H]: "
+        "fused_experts with each GEMM's input quantized to float8_e4m3fn per row (scale amax / 448, clamped to "
+        "+-448: per token for gate/up, per pair for down, after silu_and_mul's rounding), the FP8 products "
+        "accumulated in float32, times the row's and the channel's scales, rounded to the dtype."
+    ),
+    "fused_experts_wna16": (
+        "fn(hidden_states [T, H], w13_qweight [E, 2I, H // p] int32, w2_qweight [E, H, I // p] int32, w13_scales "
+        "[E, 2I, H // G], w2_scales [E, H, I // G] (hidden_states' dtype), w13_zeros, w2_zeros ([E, N, K // G] "
+        "int32 unsigned) | None, topk_weights, topk_ids, expert_map, bits: 4 | 8, group_size G (-1: one group "
+        "over K)) -> [T, H]: fused_experts on W[e][n, k] = (q - z[n, k // G]) * s[n, k // G] rounded to the "
+        "dtype, q the unsigned bits-wide field at bit bits * (k % p) of qweight[e, n, k // p], p = 32 // bits, "
+        "z = 2 ** (bits - 1) when zeros is None."
     ),
     # The batched LoRA update (pagedlm.core.lora.punica; API 1.2): the step's tokens grouped by slot.
     "lora_shrink": (

@@ -189,9 +189,10 @@ def _check_capability(vllm_config: VllmConfig, quant_config: Any, device: torch.
 
 
 def _check_quantized_layers(model: nn.Module, class_name: str, quant_config: Any) -> None:
+    from pagedlm.core.layers.fused_moe.layer import FusedMoE
     from pagedlm.core.layers.linear import LinearBase
 
-    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    linears = [m for m in model.modules() if isinstance(m, (LinearBase, FusedMoE))]
     if linears and not any(m.quant_method.quantized for m in linears):
         raise ValueError(
             f"quantization {quant_config.get_name()!r} left every linear layer of {class_name} unquantized: the model "

@@ -53,7 +53,7 @@ class MixtralDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: Any, prefix: str, quant_config: Any = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, maybe_prefix(prefix, "self_attn"),
-                                        getattr(config, "sliding_window", None))
+                                        getattr(config, "sliding_window", None), quant_config)
         self.block_sparse_moe = MixtralMoE(config, maybe_prefix(prefix, "block_sparse_moe"), quant_config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)

@@ -73,13 +73,13 @@ class Qwen3MoeDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: Any, prefix: str, layer_idx: int, quant_config: Any = None) -> None:
         super().__init__()
         self.self_attn = Qwen3Attention(config, maybe_prefix(prefix, "self_attn"),
-                                        layer_sliding_window(config, layer_idx))
+                                        layer_sliding_window(config, layer_idx), quant_config)
         self.mlp: nn.Module
         if is_sparse_layer(config, layer_idx):
             self.mlp = Qwen3MoeSparseMoeBlock(config, maybe_prefix(prefix, "mlp"), quant_config)
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                                maybe_prefix(prefix, "mlp"))
+                                maybe_prefix(prefix, "mlp"), quant_config=quant_config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 

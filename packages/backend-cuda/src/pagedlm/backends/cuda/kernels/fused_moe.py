@@ -46,20 +46,36 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # NOTE: the pair counts change with every batch; specialising on them (divisibility by 16) would
 # compile a second variant at run time. N, K and the strides are the model's, fixed.
+#: ``W_KIND`` of :func:`fused_moe_kernel`: weights in the activation dtype; float8_e4m3fn weights
+#: with FP8 activations (per-row ``a_scale``, per-channel ``b_scale``); packed integers (``BITS``
+#: wide, ``32 // BITS`` per int32 along K) dequantized in the inner loop with group scales
+W_PLAIN, W_FP8, W_INT = 0, 1, 2
+
+
 @triton.jit(do_not_specialize=["num_valid_pairs", "EM"])
 def fused_moe_kernel(
     a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
+    a_scale_ptr, b_scale_ptr, b_zero_ptr,
     N, K, num_valid_pairs, EM,
     stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+    stride_se, stride_sn, stride_sk, stride_ze, stride_zn, stride_zk,
     TOP_K: tl.constexpr, A_PER_TOKEN: tl.constexpr, GATED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    W_KIND: tl.constexpr = 0, BITS: tl.constexpr = 4, GROUP_K: tl.constexpr = 128, HAS_ZP: tl.constexpr = False,
 ):
     """One ``[BLOCK_M, BLOCK_N]`` tile of ``c[pair, n] = sum_k a[row(pair), k] * b[expert, n, k]``.
 
     ``b [E, N(*2 when GATED), K]``; with ``GATED`` the tile also computes the up rows ``n + N`` and
     stores ``silu(gate) * up``. ``row(pair)`` is ``pair // TOP_K`` when ``A_PER_TOKEN`` (rows of the
     hidden states), else ``pair``. Rows whose pair index is ``num_valid_pairs`` are padding.
+
+    Quantized weights (``W_KIND``): ``W_FP8``: ``a`` and ``b`` float8_e4m3fn, the float32 dot
+    scaled by ``a_scale[row]`` and ``b_scale[expert, n]`` (stride ``stride_se``); ``W_INT``: ``b``
+    holds int32 words ``[E, N, K // (32 // BITS)]`` (the strides are the words'), element ``(n, k)``
+    the field at bit ``BITS * (k % (32 // BITS))``, dequantized to the activation dtype as
+    ``(q - z) * s`` with ``s = b_scale[expert, n, k // GROUP_K]``, ``z`` from ``b_zero`` (same
+    indexing, unsigned) or ``2 ** (BITS - 1)``; ``BLOCK_K`` divides ``GROUP_K`` and ``K``.
     """
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
@@ -91,25 +107,53 @@ def fused_moe_kernel(
         a_rows = pair64
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+    n64 = offs_n.to(tl.int64)
+    dt = c_ptr.dtype.element_ty
+    PACK = 32 // BITS
+    if W_KIND == 2:
+        b_ptrs = b_ptr + expert * stride_be + n64[None, :] * stride_bn + (offs_k // PACK)[:, None] * stride_bk
+        shifts = ((offs_k % PACK) * BITS)[:, None]
+        s_ptrs = b_scale_ptr + expert * stride_se + n64 * stride_sn
+        z_ptrs = b_zero_ptr + expert * stride_ze + n64 * stride_zn
+    else:
+        b_ptrs = b_ptr + expert * stride_be + n64[None, :] * stride_bn + offs_k[:, None] * stride_bk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k0 * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if W_KIND == 2:
+            group = (k0 * BLOCK_K) // GROUP_K
+            b = _dequantize_tile(b_ptrs, s_ptrs, z_ptrs, shifts, group, stride_sk, stride_zk, col_ok, dt,
+                                 BITS, HAS_ZP)
+        else:
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST_DOTS:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if GATED:
-            b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if W_KIND == 2:
+                b_up = _dequantize_tile(b_ptrs + N * stride_bn, s_ptrs + N * stride_sn, z_ptrs + N * stride_zn,
+                                        shifts, group, stride_sk, stride_zk, col_ok, dt, BITS, HAS_ZP)
+            else:
+                b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             if UPCAST_DOTS:
                 b_up = b_up.to(tl.float32)
             acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_bk
-    dt = c_ptr.dtype.element_ty
+        if W_KIND == 2:
+            b_ptrs += (BLOCK_K // PACK) * stride_bk
+        else:
+            b_ptrs += BLOCK_K * stride_bk
+    if W_KIND == 1:
+        # FP8: the dots summed the FP8 values' products; both scales applied once
+        a_s = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=0.0)
+        b_s = tl.load(b_scale_ptr + expert * stride_se + n64, mask=col_ok, other=0.0)
+        acc = acc * a_s[:, None] * b_s[None, :]
+        if GATED:
+            b_s_up = tl.load(b_scale_ptr + expert * stride_se + n64 + N, mask=col_ok, other=0.0)
+            acc_up = acc_up * a_s[:, None] * b_s_up[None, :]
     if GATED:
         gate = acc.to(dt).to(tl.float32)
         up = acc_up.to(dt).to(tl.float32)
@@ -121,6 +165,24 @@ def fused_moe_kernel(
             w = tl.load(topk_weights_ptr + pair64, mask=row_ok, other=0.0)
             out = (out.to(tl.float32) * w[:, None]).to(dt)
     tl.store(c_ptrs, out, mask=c_mask)
+
+
+@triton.jit
+def _dequantize_tile(b_ptrs, s_ptrs, z_ptrs, shifts, group, stride_sk, stride_zk, col_ok, dt: tl.constexpr,
+                     BITS: tl.constexpr, HAS_ZP: tl.constexpr):
+    """``[BLOCK_K, BLOCK_N]`` weights in ``dt`` from packed words (one group of scales: the
+    block lies inside group ``group``): ``(q - z) * s``, the product rounded once to ``dt``."""
+    words = tl.load(b_ptrs, mask=col_ok[None, :], other=0)
+    q = (words >> shifts) & ((1 << BITS) - 1)
+    s = tl.load(s_ptrs + group * stride_sk, mask=col_ok, other=0.0).to(tl.float32)
+    if HAS_ZP:
+        z = tl.load(z_ptrs + group * stride_zk, mask=col_ok, other=0)
+        q = q - z[None, :]
+    else:
+        q = q - (1 << (BITS - 1))
+    # NOTE: an 8-bit integer times a 16-bit float is exact in float32, so this rounds as the
+    # reference's (q - z).to(dtype) * s does
+    return (q.to(tl.float32) * s[None, :]).to(dt)
 
 
 #: ``(largest mean number of pairs per expert, config)``, by increasing load. Few pairs per expert
@@ -149,23 +211,34 @@ def get_config(num_tokens: int, num_experts: int, inter: int, hidden: int, top_k
 def invoke_fused_moe_kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor,
                             sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
                             num_tokens_post_padded: torch.Tensor, *, top_k: int, a_per_token: bool, gated: bool,
-                            mul_routed_weight: bool, config: dict[str, int]) -> None:
-    """Launch :func:`fused_moe_kernel` over every tile of ``c [T*top_k, N]``; ``b [E, N or 2N, K]``."""
+                            mul_routed_weight: bool, config: dict[str, int], a_scale: torch.Tensor | None = None,
+                            b_scale: torch.Tensor | None = None, b_zero: torch.Tensor | None = None,
+                            w_kind: int = W_PLAIN, bits: int = 4, group_k: int = 128) -> None:
+    """Launch :func:`fused_moe_kernel` over every tile of ``c [T*top_k, N]``; ``b [E, N or 2N, K]``
+    (``[E, N or 2N, K // (32 // bits)]`` int32 words with ``W_INT``; ``K`` is then the unpacked one).
+    ``a_scale [rows]``, ``b_scale [E, N or 2N]`` (FP8) or ``[E, N or 2N, K // group_k]`` (packed),
+    ``b_zero`` like the latter or None."""
     n = c.shape[1]
-    k = b.shape[2]
+    k = b.shape[2] * (32 // bits if w_kind == W_INT else 1)
     em = sorted_token_ids.numel()
     cfg = dict(config)
     block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     grid = (triton.cdiv(em, block_m) * triton.cdiv(n, block_n),)
+    s_strides = (0, 0, 0) if b_scale is None else tuple(b_scale.stride()) + (0,) * (3 - b_scale.dim())
+    z_strides = (0, 0, 0) if b_zero is None else tuple(b_zero.stride())
+    dot_dtype = c.dtype if w_kind == W_INT else a.dtype
     launch(
         fused_moe_kernel, grid,
         a, b, c, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
+        a_scale if a_scale is not None else topk_weights, b_scale if b_scale is not None else topk_weights,
+        b_zero if b_zero is not None else sorted_token_ids,
         n, k, c.shape[0], em,
-        a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0),
+        a.stride(0), b.stride(0), b.stride(1), b.stride(2), c.stride(0), *s_strides, *z_strides,
         TOP_K=top_k, A_PER_TOKEN=a_per_token, GATED=gated, MUL_ROUTED_WEIGHT=mul_routed_weight,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.pop("BLOCK_K"), GROUP_M=cfg.pop("GROUP_M"),
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 or INTERPRET else "tf32",
-        UPCAST_DOTS=INTERPRET and a.dtype == torch.bfloat16, **cfg,
+        DOT_PRECISION="ieee" if dot_dtype == torch.float32 or INTERPRET else "tf32",
+        UPCAST_DOTS=INTERPRET and dot_dtype in (torch.bfloat16, torch.float8_e4m3fn),
+        W_KIND=w_kind, BITS=bits, GROUP_K=group_k, HAS_ZP=b_zero is not None, **cfg,
     )
 
 

@@ -18,9 +18,10 @@ then the ``fused_experts`` op: the platform's kernel when it registered one
 (:mod:`.reference`). With ``reduce_results`` the partial outputs of the ranks are summed.
 
 Quantized experts: the layer takes ``quant_config`` and ``prefix`` like vLLM's and asks
-``quant_config.get_quant_method(layer, prefix)`` for a :class:`FusedMoEMethodBase`; until a
-quantization method for experts exists, any answer other than None (unquantized) is refused
-with a ``NotImplementedError`` naming the layer.
+``quant_config.get_quant_method(layer, prefix)`` for a :class:`FusedMoEMethodBase` (None:
+unquantized). The methods for experts (FP8, packed W4A16/W8A16) are in
+:mod:`pagedlm.core.layers.quantization.moe_methods`; their parameters carry loader attributes
+(``moe_layout``, ``moe_w2_sliced``, ``load_expert_shard``) that :meth:`FusedMoE.weight_loader` reads.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class FusedMoEMethodBase:
     """How a :class:`FusedMoE` layer stores its experts and runs them (vLLM's interface): a
     quantization method for experts subclasses it."""
 
+    #: whether the experts are quantized (the loader counts quantized layers)
+    quantized: bool = True
+
     def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra: Any) -> None:
         raise NotImplementedError
@@ -67,6 +71,8 @@ class FusedMoEMethodBase:
 class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     """Experts in the model dtype, run by the ``fused_experts`` op."""
 
+    quantized = False
+
     def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype, **extra: Any) -> None:
         inter = intermediate_size_per_partition
@@ -82,6 +88,11 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
               topk_ids: torch.Tensor) -> torch.Tensor:
         op = layer._fused_experts_op or fused_experts
         return op(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.expert_map)
+
+
+def _materialise(tensor: Any) -> torch.Tensor:
+    """A torch tensor of a checkpoint tensor or a lazy one (``LazyWeight``: read now)."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.materialize()
 
 
 def _current_enable_expert_parallel() -> bool:
@@ -174,11 +185,13 @@ class FusedMoE(nn.Module):
         method = None if quant_config is None else quant_config.get_quant_method(self, self.prefix)
         if method is None or isinstance(method, UnquantizedFusedMoEMethod):
             return UnquantizedFusedMoEMethod()
+        if isinstance(method, FusedMoEMethodBase):
+            return method
         name = getattr(quant_config, "get_name", lambda: type(quant_config).__name__)()
         raise NotImplementedError(
-            f"{self.prefix or 'FusedMoE'}: quantized experts ({name}: {type(method).__name__}) are not supported "
-            "yet; FusedMoE runs unquantized experts only. Load an unquantized checkpoint, or exclude the experts "
-            "from quantization."
+            f"{self.prefix or 'FusedMoE'}: quantization method {name!r} gave the experts {type(method).__name__}, "
+            "which is not a FusedMoEMethodBase; this method does not quantize experts (supported for experts: "
+            "fp8, compressed-tensors). Load an unquantized checkpoint, or exclude the experts from quantization."
         )
 
     # -- weights --------------------------------------------------------------------------------
@@ -201,10 +214,20 @@ class FusedMoE(nn.Module):
                       expert_id: int) -> bool:
         """Copy this rank's slice of one expert's full checkpoint tensor into ``param``.
 
-        ``shard_id`` ``"w1"`` (gate) and ``"w3"`` (up) are ``[I, H]``, ``"w2"`` (down) ``[H, I]``;
-        ``expert_id`` is the global id. Returns False (copying nothing) for an expert that lives on
-        another rank. ``loaded_weight`` may be a lazy safetensors slice: only this rank's rows or
-        columns are read.
+        ``shard_id`` ``"w1"`` (gate) and ``"w3"`` (up) are ``[I(/f), ...]`` (the intermediate
+        dimension first), ``"w2"`` (down) ``[H(/f), I(/f)]`` (it second), ``f`` a packing factor or a
+        group size; ``expert_id`` is the global id. Returns False (copying nothing) for an expert that
+        lives on another rank. ``loaded_weight`` may be a lazy safetensors slice: only this rank's rows
+        or columns are read. The slice sizes come from ``param``'s shape (``[E_local, 2 * n, ...]``
+        for w13 parameters: gate rows, then up rows; ``[E_local, ..., n]`` for w2's). A quantization
+        method's parameter may say otherwise:
+
+        - ``moe_layout="per_shard"``: one value per checkpoint tensor (``[E, 2]`` gate/up, ``[E]``
+          down; per-tensor scales); ``"whole"``: the tensor as it is (``weight_shape``);
+        - ``moe_w2_sliced=False``: w2's tensor is not split along its second dimension (per-channel
+          scales ``[H, 1]``);
+        - ``load_expert_shard(dst, src, full, local_expert, shard_id)``: stores ``src`` itself
+          (online FP8 quantizes it; ``full`` is the whole checkpoint tensor).
         """
         if shard_id not in _SHARD_IDS:
             raise ValueError(f"{self.prefix}: shard_id must be one of {', '.join(_SHARD_IDS)}, got {shard_id!r}")
@@ -214,23 +237,36 @@ class FusedMoE(nn.Module):
         local = expert_id if self.expert_map is None else int(self.expert_map[expert_id])
         if local < 0:
             return False
-        size = self.intermediate_size_per_partition
-        start = self.tp_rank * size
-        if shard_id == "w2":
-            dst = param.data[local]
-            src = loaded_weight[:, start : start + size] if self.tp_size > 1 else loaded_weight
-        else:
-            dst = param.data[local].narrow(0, 0 if shard_id == "w1" else size, size)
-            src = loaded_weight[start : start + size] if self.tp_size > 1 else loaded_weight
+        layout = getattr(param, "moe_layout", "stacked")
+        dst = param.data[local]
+        src = loaded_weight
+        if layout == "per_shard":
+            dst = dst if shard_id == "w2" else dst[0 if shard_id == "w1" else 1]
+            src = _materialise(loaded_weight).reshape(())
+        elif layout == "stacked":
+            sliced = self.tp_size > 1
+            if shard_id == "w2":
+                size = dst.shape[1]
+                if sliced and getattr(param, "moe_w2_sliced", True):
+                    src = loaded_weight[:, self.tp_rank * size : (self.tp_rank + 1) * size]
+            else:
+                size = dst.shape[0] // 2
+                dst = dst.narrow(0, 0 if shard_id == "w1" else size, size)
+                if sliced:
+                    src = loaded_weight[self.tp_rank * size : (self.tp_rank + 1) * size]
+        src = _materialise(src)
         if tuple(dst.shape) != tuple(src.shape):
-            full = "[intermediate, hidden]" if shard_id != "w2" else "[hidden, intermediate]"
             raise ValueError(
                 f"{weight_name} (expert {expert_id}, {shard_id}): checkpoint tensor {tuple(loaded_weight.shape)} "
-                f"gives {tuple(src.shape)} on this rank, the parameter expects {tuple(dst.shape)} (full tensor "
-                f"{full} = ({self.intermediate_size if shard_id != 'w2' else self.hidden_size}, "
-                f"{self.hidden_size if shard_id != 'w2' else self.intermediate_size}))"
+                f"gives {tuple(src.shape)} on this rank, the parameter expects {tuple(dst.shape)} (experts of "
+                f"hidden size {self.hidden_size}, intermediate size {self.intermediate_size}, "
+                f"{self.intermediate_size_per_partition} per rank)"
             )
-        dst.copy_(src)
+        hook = getattr(param, "load_expert_shard", None)
+        if hook is not None:
+            hook(dst, src, loaded_weight, local, shard_id)
+        else:
+            dst.copy_(src)
         return True
 
     # -- forward --------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["fused_experts", "moe_align_block_size"]
+__all__ = ["combine_pairs", "expert_groups", "fused_experts", "grouped_linear", "moe_align_block_size"]
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -39,7 +39,7 @@ def _check_shapes(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
                          f"both be [T={hidden_states.shape[0]}, top_k]")
 
 
-def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """``x [N, K]`` (rows grouped by expert, ``counts [E]`` rows each) -> ``[N, out]``: group ``e``
     times ``weight[e] [out, K]`` transposed, as ``F.linear`` per group."""
     if _grouped_mm is not None:
@@ -66,10 +66,20 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     nothing) -> ``[T, H]`` in ``hidden_states``' dtype.
     """
     _check_shapes(hidden_states, w13, w2, topk_weights, topk_ids)
-    num_tokens, top_k = topk_ids.shape
-    num_experts, two_i, hidden = w13.shape
-    inter = two_i // 2
-    dtype = hidden_states.dtype
+    inter = w13.shape[1] // 2
+    rows, counts, ends = expert_groups(topk_ids, expert_map, w13.shape[0])
+    x = hidden_states.index_select(0, rows // topk_ids.shape[1])
+    gate_up = grouped_linear(x, w13, counts, ends)
+    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    down = grouped_linear(act, w2, counts, ends)
+    return combine_pairs(down, rows, topk_weights)
+
+
+def expert_groups(topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
+                  num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, expert) pairs of this rank grouped by local expert: ``(rows [N] flat pair
+    indices t * K + k, expert by expert; counts [E] pairs per expert; ends [E] int32 cumulative)``.
+    Pairs of other ranks' experts (``expert_map`` -1) are left out."""
     flat_ids = topk_ids.reshape(-1).long()
     if expert_map is not None:
         flat_ids = expert_map.to(flat_ids.device).long()[flat_ids]
@@ -77,15 +87,17 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     bucket = torch.where(flat_ids >= 0, flat_ids, num_experts)
     order = torch.argsort(bucket, stable=True)
     counts = torch.bincount(bucket, minlength=num_experts + 1)[:num_experts]
-    num_local = int(counts.sum())
-    rows = order[:num_local]
-    ends = torch.cumsum(counts, 0).to(torch.int32)
-    x = hidden_states.index_select(0, rows // top_k)
-    gate_up = _grouped_linear(x, w13, counts, ends)
-    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    down = _grouped_linear(act, w2, counts, ends)
+    rows = order[: int(counts.sum())]
+    return rows, counts, torch.cumsum(counts, 0).to(torch.int32)
+
+
+def combine_pairs(down: torch.Tensor, rows: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """``down [N, H]`` (the experts' outputs of pairs ``rows``) -> ``[T, H]``: each row times its
+    routing weight in float32, rounded to the dtype, the ``top_k`` rows of a token summed in float32."""
+    num_tokens, top_k = topk_weights.shape
+    dtype, hidden = down.dtype, down.shape[1]
     weighted = (down.float() * topk_weights.reshape(-1)[rows].float().unsqueeze(1)).to(dtype)
-    per_pair = torch.zeros(num_tokens * top_k, hidden, dtype=dtype, device=hidden_states.device)
+    per_pair = torch.zeros(num_tokens * top_k, hidden, dtype=dtype, device=down.device)
     per_pair[rows] = weighted
     return per_pair.view(num_tokens, top_k, hidden).float().sum(dim=1).to(dtype)
 

@@ -12,6 +12,10 @@ Supported, per group:
   FP8 activations, dynamic per token or a static per-tensor ``input_scale`` (W8A8 FP8), or none.
 - ``int-quantized`` / ``naive-quantized``: int8 ``weight [N, K]``, per-channel or per-tensor scale,
   int8 activations dynamic per token or static per tensor (W8A8 INT8), or none (W8A16).
+
+``FusedMoE`` experts (``experts.N.gate_proj`` / Mixtral's ``experts.N.w1`` ...) take the scheme of
+their group: ``pack-quantized`` (no act-order) or ``float-quantized`` FP8 with dynamic per-token
+activations (:mod:`.moe_methods`); other schemes for experts are refused by name.
 """
 
 from __future__ import annotations
@@ -210,7 +214,11 @@ class CompressedTensorsConfig(QuantizationConfig):
                     return key, group
         return None
 
-    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> Any:
+        from pagedlm.core.layers.fused_moe.layer import FusedMoE
+
+        if isinstance(layer, FusedMoE):
+            return self._moe_method(prefix)
         found = {part: self._group_of(part) for part in shard_names(prefix, self.packed_modules_mapping)}
         keys = {None if g is None else g[0] for g in found.values()}
         if len(keys) > 1:
@@ -234,6 +242,32 @@ class CompressedTensorsConfig(QuantizationConfig):
             return CompressedTensorsW8A16Int(bits=8, group_size=-1, symmetric=True)
         return W8A8LinearMethod(kind=kind, per_channel=strategy == "channel",
                                 static_input=bool(acts) and not acts.get("dynamic"), act_quant=acts is not None)
+
+    def _moe_method(self, prefix: str) -> Any:
+        """The experts' method: the group of their projections' module names (Qwen's
+        ``experts.0.gate_proj``, Mixtral's ``experts.0.w1``; one scheme for all experts, as vLLM)."""
+        from pagedlm.core.layers.quantization.moe_methods import CompressedTensorsWNA16MoEMethod, Fp8MoEMethod
+
+        names = [f"{prefix}.0.{proj}" for proj in ("gate_proj", "up_proj", "down_proj", "w1", "w3", "w2")]
+        match = next((m for m in map(self._group_of, names) if m is not None), None)
+        if match is None:
+            return None
+        group = match[1]
+        fmt, weights, acts = self._format(group), group["weights"], group.get("input_activations")
+        strategy = weights.get("strategy")
+        supported = ("supported for experts: pack-quantized int4/int8 (W4A16, W8A16) without act-order, "
+                     "float-quantized FP8 with dynamic per-token activations")
+        if fmt == "pack-quantized":
+            if weights.get("actorder") == "group":
+                raise ValueError(f"{prefix}: act-order (actorder: group) experts are not supported; {supported}")
+            return CompressedTensorsWNA16MoEMethod(
+                bits=int(weights["num_bits"]), group_size=int(weights["group_size"]) if strategy == "group" else -1,
+                symmetric=bool(weights.get("symmetric", True)))
+        if fmt == "float-quantized" and acts and acts.get("dynamic") and acts.get("strategy") == "token":
+            return Fp8MoEMethod(online=False, per_channel=strategy == "channel")
+        raise ValueError(f"{prefix}: compressed-tensors {fmt} experts with "
+                         f"{'static' if acts and not acts.get('dynamic') else 'no' if not acts else 'these'} "
+                         f"activation scales are not supported; {supported}")
 
     def get_cache_scale(self, name: str) -> str | None:
         """``...self_attn.k_proj.output_scale`` (a ``kv_cache_scheme`` checkpoint) -> ``...self_attn.attn.k_scale``."""

@@ -3,6 +3,8 @@
 - A checkpoint saved in FP8 (``is_checkpoint_fp8_serialized``) stores float8_e4m3 ``weight [N, K]``
   with a per-tensor ``weight_scale`` per stacked tensor and, for ``activation_scheme: static``,
   an ``input_scale``.
+- ``FusedMoE`` experts get :class:`~pagedlm.core.layers.quantization.moe_methods.Fp8MoEMethod`
+  (online, or per-tensor scales from the checkpoint; dynamic activations only).
 - ``quantization="fp8"`` on a bf16/fp16/fp32 checkpoint quantizes each weight as it loads: the
   layer's parameter is float8 from the start; each checkpoint tensor gets a per-tensor scale
   ``amax / 448`` (taken over the whole checkpoint tensor, so every tensor-parallel rank quantizes
@@ -17,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedlm.core.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from pagedlm.core.layers.quantization.base_config import QuantizationConfig
 from pagedlm.core.layers.quantization.schemes import W8A8LinearMethod, new_param
 from pagedlm.core.layers.quantization.utils import FP8_DTYPE, FP8_MAX
 
@@ -88,12 +90,24 @@ class Fp8Config(QuantizationConfig):
                    activation_scheme=str(config.get("activation_scheme", "dynamic")),
                    ignored_layers=config.get("ignored_layers") or config.get("modules_to_not_convert"))
 
-    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> Any:
         if any(name in prefix for name in self.ignored_layers):
             return None
+        from pagedlm.core.layers.fused_moe.layer import FusedMoE
+
+        if isinstance(layer, FusedMoE):
+            return self._moe_method(prefix)
         if not self.is_checkpoint_fp8_serialized:
             return Fp8OnlineLinearMethod()
         return W8A8LinearMethod(kind="fp8", per_channel=False, static_input=self.activation_scheme == "static")
+
+    def _moe_method(self, prefix: str) -> Any:
+        from pagedlm.core.layers.quantization.moe_methods import Fp8MoEMethod
+
+        if self.activation_scheme == "static":
+            raise ValueError(f"{prefix}: FP8 experts with activation_scheme='static' are not supported; supported "
+                             "for experts: dynamic per-token activation scales (or online quantization)")
+        return Fp8MoEMethod(online=not self.is_checkpoint_fp8_serialized)
 
     def describe(self) -> str:
         how = "checkpoint" if self.is_checkpoint_fp8_serialized else "online"
