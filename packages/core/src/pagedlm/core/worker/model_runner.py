@@ -348,7 +348,7 @@ class ModelRunner:
         pending = AsyncModelRunnerOutput(
             step.req_ids, prompt_logprobs, sample_indices=step.sample_indices, sample_states=sample_states,
             token_ids_host=token_ids_host, event=event, logprobs=out.logprobs_tensors)
-        if spec is not None:  # (a step without drafts samples as without speculation)
+        if spec is not None and spec.proposes(non_block):  # (a step without drafts samples as without speculation)
             return _done(spec.propose(pending.result(), step, states), non_block)
         return pending if non_block else pending.result()
 
