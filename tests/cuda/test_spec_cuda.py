@@ -1,0 +1,142 @@
+"""Speculative decoding on the CUDA runner: verification steps replay the mixed-batch graphs
+(the verification-sized ones among them), greedy tokens identical to decoding without
+speculation and to HF transformers (fp32), for n-gram and self-drafting, Gemma 3's two KV-cache
+groups included, alone and in mixed batches, under chunked prefill, preemption and async
+scheduling.
+
+Under ``TRITON_INTERPRET=1`` the engine runs on the CPU with the Triton backend and the graph
+stand-in (tests/cuda/test_cuda_e2e.py says how).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+
+import pytest
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = [] if INTERPRET else [pytest.mark.cuda]
+#: per prompt: requests finish one after another, so the running count falls mid-run (async mode:
+#: the steps of 3 or more requests run ahead without drafts, the later ones speculate)
+MAX_TOKENS = (3, 5, 12, 12)
+ARCHS = ("llama", "gemma3")
+MODES = {
+    "default": {},
+    "chunked-tiny-budget": {"max_num_batched_tokens": 8, "max_num_seqs": 4},
+    "preemption": {"num_gpu_blocks_override": 8, "max_model_len": 64},
+    # n-gram keeps async scheduling: steps of >= 3 running requests run ahead without drafts
+    "async": {"async_scheduling": True},
+}
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    spans = [[rng.randrange(4, 500) for _ in range(n)] for n in (5, 9, 4)]
+    return [spans[0] * 3, spans[1] * 2, spans[2] * 4 + spans[0], [rng.randrange(4, 500) for _ in range(6)]]
+
+
+def spec_config(method: str, model: str, mode: str) -> dict:
+    if method == "ngram":
+        cfg = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+        return {**cfg, "disable_by_batch_size": 3} if mode == "async" else cfg
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
+
+
+def engine_options(device) -> dict:
+    if device.type == "cuda":
+        return {"device": "cuda"}
+    return {"device": "cpu", "attention_backend": "triton", "num_gpu_blocks_override": 64, "max_num_seqs": 8,
+            "max_num_batched_tokens": 64}
+
+
+@pytest.fixture(scope="module")
+def cuda_runner(device):
+    """Puts CPU engines on the CUDA runner with the graph stand-in (a no-op on a GPU)."""
+    mp = pytest.MonkeyPatch()
+    if device.type != "cuda":
+        from pagedlm.backends.cpu.platform import CpuPlatform
+        from pagedlm.backends.cuda.model_runner import CudaModelRunner
+
+        mp.setattr(CpuPlatform, "get_model_runner_cls",
+                   lambda self, cfg: "pagedlm.backends.cuda.model_runner:CudaModelRunner")
+        mp.setattr(CudaModelRunner, "emulate_graphs", True)
+    yield engine_options(device)
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def references(tiny_checkpoints, cuda_runner):
+    """arch -> (HF greedy results, the CUDA runner's tokens without speculation)."""
+    from pagedlm.core import LLM, SamplingParams
+    from pagedlm.core.testing import hf_greedy
+
+    refs = {}
+    for arch in ARCHS:
+        llm = LLM(model=tiny_checkpoints[arch], dtype="float32", **cuda_runner)
+        off = generate(llm)
+        llm.shutdown()
+        hf = hf_greedy(tiny_checkpoints[arch], prompts(), max(MAX_TOKENS))
+        refs[arch] = [dataclasses.replace(r, token_ids=r.token_ids[:n], top2_gaps=r.top2_gaps[:n])
+                      for r, n in zip(hf, MAX_TOKENS, strict=True)], off
+    return refs
+
+
+def generate(llm) -> list[list[int]]:
+    from pagedlm.core import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    return [list(o.outputs[0].token_ids) for o in
+            llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)]
+
+
+def count_replays(graphs: dict) -> dict[int, int]:
+    counts = dict.fromkeys(graphs, 0)
+    for size, (replay, out) in list(graphs.items()):
+        def counted(replay=replay, size=size):
+            counts[size] += 1
+            replay()
+        graphs[size] = (counted, out)
+    return counts
+
+
+CASES = [(arch, "ngram", mode) for arch in ARCHS for mode in MODES] + [
+    ("llama", "self-draft", "default"), ("llama", "self-draft", "chunked-tiny-budget"),
+    ("gemma3", "self-draft", "default")]
+
+
+@pytest.mark.parametrize(("arch", "method", "mode"), CASES)
+def test_greedy_with_speculation_matches_hf_and_speculation_off(arch, method, mode, tiny_checkpoints, references,
+                                                                 cuda_runner):
+    from pagedlm.backends.cuda.model_runner import default_mixed_capture_sizes
+    from pagedlm.backends.cuda.spec_graphs import verification_capture_sizes
+    from pagedlm.core import LLM
+    from pagedlm.core.testing import compare_greedy
+
+    if arch == "gemma3" and mode == "preemption":
+        pytest.skip("Gemma 3's sliding group needs other cache numbers (tests/e2e/test_hf_parity.py)")
+    model = tiny_checkpoints[arch]
+    hf, off = references[arch]
+    llm = LLM(model=model, dtype="float32", speculative_config=spec_config(method, model, mode),
+              **{**cuda_runner, **MODES[mode]})
+    runner = llm.llm_engine.core.executor.worker.model_runner
+    assert type(runner).__name__ == "CudaModelRunner"
+    default_sizes = default_mixed_capture_sizes(runner.max_num_tokens)
+    verification_sizes = verification_capture_sizes(3, runner.capture_sizes, default_sizes[0])
+    assert verification_sizes and sorted(runner._mixed_graphs) == verification_sizes + default_sizes
+    replays = count_replays(runner._mixed_graphs)
+    ours = generate(llm)
+    mismatches, forgiven = compare_greedy(ours, hf)
+    assert mismatches == 0 and forgiven <= 1, (mismatches, forgiven)
+    assert ours == off
+    core = llm.llm_engine.core
+    stats = core.scheduler.spec.stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats
+    if method == "self-draft":
+        assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.9, stats
+    # verification steps (and prompt chunks) replayed mixed-batch graphs
+    assert sum(replays[s] for s in verification_sizes) > 0, replays
+    if mode == "preemption":
+        assert core.scheduler.num_preemptions_total > 0
+    llm.shutdown()
