@@ -66,7 +66,13 @@ def test_mixed_padding_fills_every_group(gemma3_llm):
     runner = runner_of(llm)
     captured = []
     stage = runner._stage
-    runner._stage = lambda step, *a, **kw: (captured.append(step) if step is not None else None) or stage(step, *a, **kw)
+
+    def recording(step, *args, **kwargs):
+        if step is not None:
+            captured.append(step)
+        return stage(step, *args, **kwargs)
+
+    runner._stage = recording
     try:
         llm.generate([{"prompt_token_ids": p} for p in prompts()[:2]],
                      SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)

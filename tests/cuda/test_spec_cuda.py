@@ -25,16 +25,32 @@ ARCHS = ("llama", "gemma3")
 MODES = {
     "default": {},
     "chunked-tiny-budget": {"max_num_batched_tokens": 8, "max_num_seqs": 4},
+    # 4 requests of up to 48 tokens (3 blocks each) in 8 blocks
     "preemption": {"num_gpu_blocks_override": 8, "max_model_len": 64},
     # n-gram keeps async scheduling: steps of >= 3 running requests run ahead without drafts
     "async": {"async_scheduling": True},
 }
 
 
-def prompts() -> list[list[int]]:
+def echo_prompts(model_dir: str) -> list[list[int]]:
+    """Two prompts that repeat a span, then two ``P + greedy(P)[:30]`` whose greedy continuation
+    repeats n-grams of its own context most often among a few random ``P`` (a random tiny model
+    rarely repeats its prompt; n-gram drafts are then accepted there by construction)."""
+    import numpy as np
+
+    from pagedlm.core.spec_decode.ngram_proposer import ngram_drafts
+    from pagedlm.core.testing import hf_greedy
+
     rng = random.Random(0)
-    spans = [[rng.randrange(4, 500) for _ in range(n)] for n in (5, 9, 4)]
-    return [spans[0] * 3, spans[1] * 2, spans[2] * 4 + spans[0], [rng.randrange(4, 500) for _ in range(6)]]
+    spans = [[rng.randrange(4, 500) for _ in range(n)] for n in (5, 9)]
+    starts = [[rng.randrange(4, 500) for _ in range(6)] for _ in range(8)]
+    outs = [r.token_ids for r in hf_greedy(model_dir, starts, 30 + max(MAX_TOKENS))]
+
+    def hits(seq: list[int]) -> int:
+        return sum(ngram_drafts(np.array(seq[:t]), 1, 3, 1) == [seq[t]] for t in range(36, len(seq)))
+
+    scored = sorted(((hits(p + o), p + o[:30]) for p, o in zip(starts, outs, strict=True)), key=lambda x: -x[0])
+    return [spans[0] * 3, spans[1] * 2] + [prompt for _, prompt in scored[:2]]
 
 
 def spec_config(method: str, model: str, mode: str) -> dict:
@@ -68,27 +84,28 @@ def cuda_runner(device):
 
 @pytest.fixture(scope="module")
 def references(tiny_checkpoints, cuda_runner):
-    """arch -> (HF greedy results, the CUDA runner's tokens without speculation)."""
-    from pagedlm.core import LLM, SamplingParams
+    """arch -> (prompts, HF greedy results, the CUDA runner's tokens without speculation)."""
+    from pagedlm.core import LLM
     from pagedlm.core.testing import hf_greedy
 
     refs = {}
     for arch in ARCHS:
+        prompts = echo_prompts(tiny_checkpoints[arch])
         llm = LLM(model=tiny_checkpoints[arch], dtype="float32", **cuda_runner)
-        off = generate(llm)
+        off = generate(llm, prompts)
         llm.shutdown()
-        hf = hf_greedy(tiny_checkpoints[arch], prompts(), max(MAX_TOKENS))
-        refs[arch] = [dataclasses.replace(r, token_ids=r.token_ids[:n], top2_gaps=r.top2_gaps[:n])
-                      for r, n in zip(hf, MAX_TOKENS, strict=True)], off
+        hf = hf_greedy(tiny_checkpoints[arch], prompts, max(MAX_TOKENS))
+        refs[arch] = prompts, [dataclasses.replace(r, token_ids=r.token_ids[:n], top2_gaps=r.top2_gaps[:n])
+                               for r, n in zip(hf, MAX_TOKENS, strict=True)], off
     return refs
 
 
-def generate(llm) -> list[list[int]]:
+def generate(llm, prompts: list[list[int]]) -> list[list[int]]:
     from pagedlm.core import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     return [list(o.outputs[0].token_ids) for o in
-            llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)]
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
 
 def count_replays(graphs: dict) -> dict[int, int]:
@@ -117,7 +134,7 @@ def test_greedy_with_speculation_matches_hf_and_speculation_off(arch, method, mo
     if arch == "gemma3" and mode == "preemption":
         pytest.skip("Gemma 3's sliding group needs other cache numbers (tests/e2e/test_hf_parity.py)")
     model = tiny_checkpoints[arch]
-    hf, off = references[arch]
+    prompts, hf, off = references[arch]
     llm = LLM(model=model, dtype="float32", speculative_config=spec_config(method, model, mode),
               **{**cuda_runner, **MODES[mode]})
     runner = llm.llm_engine.core.executor.worker.model_runner
@@ -126,7 +143,7 @@ def test_greedy_with_speculation_matches_hf_and_speculation_off(arch, method, mo
     verification_sizes = verification_capture_sizes(3, runner.capture_sizes, default_sizes[0])
     assert verification_sizes and sorted(runner._mixed_graphs) == verification_sizes + default_sizes
     replays = count_replays(runner._mixed_graphs)
-    ours = generate(llm)
+    ours = generate(llm, prompts)
     mismatches, forgiven = compare_greedy(ours, hf)
     assert mismatches == 0 and forgiven <= 1, (mismatches, forgiven)
     assert ours == off

@@ -64,7 +64,8 @@ def test_ngram_with_async_scheduling_matches_hf(mode, tiny_llama, reference):
     core.executor.execute_model = recording
     ours = generate(llm, ps)
     # every request's tokens are HF's up to its own length
-    ref = [dataclasses.replace(r, token_ids=r.token_ids[:n], top2_gaps=r.top2_gaps[:n]) for r, n in zip(ref, MAX_TOKENS)]
+    ref = [dataclasses.replace(r, token_ids=r.token_ids[:n], top2_gaps=r.top2_gaps[:n])
+           for r, n in zip(ref, MAX_TOKENS, strict=True)]
     mismatches, forgiven = compare_greedy(ours, ref)
     assert mismatches == 0 and forgiven <= 1, (mismatches, forgiven)
     assert any(drafts for _, _, drafts in steps), "no step verified drafts"

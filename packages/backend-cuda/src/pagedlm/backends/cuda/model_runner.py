@@ -14,8 +14,8 @@ their rows are garbage that nothing reads. With several KV-cache groups (Gemma 3
 full layers) each group's block table and slot mapping has its persistent buffer, padded alike.
 With speculative decoding, smaller mixed sizes serve verification steps (``spec_graphs.py``). An
 eager forward of a 0.6B model costs 10-20 ms of host time (hundreds of Python-level launches),
-several times its device time; a replay costs one launch. Steps over that size run eagerly through the same buffers. ``enforce_eager=True``
-turns graphs off.
+several times its device time; a replay costs one launch. Steps over that size run eagerly
+through the same buffers. ``enforce_eager=True`` turns graphs off.
 
 Buffer packing (why: one copy, and fixed addresses per padded size for graph replay): one int64
 buffer holds the token data ``input_ids | positions | slot_mapping`` (one slot mapping per

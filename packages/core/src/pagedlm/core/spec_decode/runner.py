@@ -67,7 +67,8 @@ class SpecDecodeRunner:
             # NOTE: the logits-index path: request b's d drafts end its chunk, so its rows are the
             # last d + 1 positions of the chunk (d = 0: the last position only)
             index = np.concatenate([np.arange(end - len(d) - 1, end) for end, d in zip(ends, drafts, strict=True)])
-            logits = runner.model.compute_logits(hidden_states[torch.from_numpy(index).to(runner.device)])
+            logits = runner.model.compute_logits(
+                hidden_states[torch.from_numpy(index).to(runner.device, non_blocking=True)])  # (no stream sync)
             requests = [VerifyRequest(s.sampling_params, s.prompt_token_ids if s.prompt_embeds is None else [],
                                       s.output_token_ids, d, s.generator)
                         for s, d in zip((states[b] for b in sample_indices), drafts, strict=True)]
