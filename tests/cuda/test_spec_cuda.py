@@ -20,13 +20,13 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = [] if INTERPRET else [pytest.mark.cuda]
 #: per prompt: requests finish one after another, so the running count falls mid-run (async mode:
 #: the steps of 3 or more requests run ahead without drafts, the later ones speculate)
-MAX_TOKENS = (3, 5, 12, 12)
+MAX_TOKENS = (3, 5, 16, 16)
 ARCHS = ("llama", "gemma3")
 MODES = {
     "default": {},
     "chunked-tiny-budget": {"max_num_batched_tokens": 8, "max_num_seqs": 4},
-    # 4 requests of up to 48 tokens (3 blocks each) in 8 blocks
-    "preemption": {"num_gpu_blocks_override": 8, "max_model_len": 64},
+    # the two long requests grow from 3 to 4 blocks of 16 (36-token prompts + 16) in 6 blocks
+    "preemption": {"num_gpu_blocks_override": 6, "max_model_len": 64},
     # n-gram keeps async scheduling: steps of >= 3 running requests run ahead without drafts
     "async": {"async_scheduling": True},
 }
@@ -149,7 +149,9 @@ def test_greedy_with_speculation_matches_hf_and_speculation_off(arch, method, mo
     assert ours == off
     core = llm.llm_engine.core
     stats = core.scheduler.spec.stats
-    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats
+    assert stats.num_draft_tokens > 0, stats
+    if arch == "llama" or method == "self-draft":  # (the tiny Gemma 3's outputs seldom repeat their context)
+        assert stats.num_accepted_tokens > 0, stats
     if method == "self-draft":
         assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.9, stats
     # verification steps (and prompt chunks) replayed mixed-batch graphs
