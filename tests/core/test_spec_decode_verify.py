@@ -112,6 +112,26 @@ def test_greedy_verification_accepts_the_longest_matching_prefix_and_the_next_to
     assert tokens == [[3]]
 
 
+def test_greedy_verification_applies_what_moves_the_argmax():
+    """Plain greedy requests take the raw argmax; a logit bias (or a penalty) is applied first,
+    also to a plain request's rows sharing the step with such a request."""
+    vocab = 8
+    logits = torch.full((3, vocab), -5.0)
+    logits[torch.arange(3), torch.tensor([3, 5, 1])] = 5.0
+    assert verify(logits[:2], [_request([2], temperature=0.0)])[0] == [[3]]
+    biased = _request([2, 2], temperature=0.0, logit_bias={2: 20.0})
+    assert verify(logits, [biased])[0] == [[2, 2, 2]]
+    # a plain request (row 0) next to the biased one (rows 1-2): its tokens are the plain argmax's
+    assert verify(logits, [_request([], temperature=0.0), _request([2], temperature=0.0, logit_bias={2: 20.0})])[0] \
+        == [[3], [2, 2]]
+    close = torch.zeros(2, vocab)
+    close[:, 3], close[:, 4] = 1.0, 0.8
+    assert verify(close, [_request([4], temperature=0.0)])[0] == [[3]]
+    penalized = _request([4], temperature=0.0, repetition_penalty=2.0)
+    penalized.output_token_ids = [3]  # 3 is penalized in row 0, 3 and the draft 4 in row 1
+    assert verify(close, [penalized])[0] == [[4, 3]]
+
+
 def _target(vocab=6, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(vocab, generator=g) * 1.5

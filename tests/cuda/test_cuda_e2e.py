@@ -94,8 +94,8 @@ def test_greedy_matches_hf_fp32(arch, mode, tiny_checkpoints, references, engine
     # one persistent block-table buffer per KV-cache group (gemma3: full and sliding)
     assert len(runner.block_tables) == (2 if arch == "gemma3" else 1)
     assert bool(runner._graphs) == (mode != "eager")
-    # mixed-batch graphs only with one KV-cache group (model_runner.capture_model says why)
-    assert bool(runner._mixed_graphs) == (mode != "eager" and arch != "gemma3")
+    # mixed-batch graphs for every model, Gemma 3's two KV-cache groups included
+    assert bool(runner._mixed_graphs) == (mode != "eager")
     forgiven = assert_greedy_matches_hf(tiny_checkpoints[arch], ps, MAX_NEW, llm=llm, reference=refs[arch])
     core = llm.llm_engine.core
     if mode.endswith("preemption"):

@@ -204,5 +204,5 @@ def test_bad_speculative_config_is_a_value_error_naming_the_field(tiny_llama):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(model=tiny_llama, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": -1})
     with pytest.raises(ValueError, match="async_scheduling"):
-        LLM(model=tiny_llama, device="cpu", async_scheduling=True,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+        LLM(model=tiny_llama, device="cpu", async_scheduling=True,  # a draft model follows every step
+            speculative_config={"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 2})

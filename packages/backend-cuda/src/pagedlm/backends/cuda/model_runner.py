@@ -10,10 +10,12 @@ larger decode batches) of at most ``max_mixed_capture_size`` tokens replays a *m
 captured for the next larger token count, with the request count padded to ``max_num_seqs``
 (when the attention backend declares ``supports_mixed_graphs``): padded tokens have a slot of -1
 and belong to no request, padded requests have no query tokens, so attention skips both and
-their rows are garbage that nothing reads. An eager forward of a 0.6B model costs 10-20 ms of
-host time (hundreds of Python-level launches), several times its device time; a replay costs
-one launch. Steps over that size run eagerly through the same buffers. ``enforce_eager=True``
-turns graphs off.
+their rows are garbage that nothing reads. With several KV-cache groups (Gemma 3's sliding and
+full layers) each group's block table and slot mapping has its persistent buffer, padded alike.
+With speculative decoding, smaller mixed sizes serve verification steps (``spec_graphs.py``). An
+eager forward of a 0.6B model costs 10-20 ms of host time (hundreds of Python-level launches),
+several times its device time; a replay costs one launch. Steps over that size run eagerly
+through the same buffers. ``enforce_eager=True`` turns graphs off.
 
 Buffer packing (why: one copy, and fixed addresses per padded size for graph replay): one int64
 buffer holds the token data ``input_ids | positions | slot_mapping`` (one slot mapping per
@@ -37,6 +39,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from pagedlm.backends.cuda.spec_graphs import verification_capture_sizes
 from pagedlm.core.attention.backend import CommonAttentionMetadata
 from pagedlm.core.config import VllmConfig
 from pagedlm.core.distributed import PP_TENSOR_NAMES, IntermediateTensors, get_pp_group
@@ -122,6 +125,11 @@ class CudaModelRunner(ModelRunner):
             self._pad_to[: size + 1] = size
         mixed = self.use_graphs and self.attn_backend.supports_mixed_graphs
         self.mixed_capture_sizes = default_mixed_capture_sizes(self.max_num_tokens) if mixed else []
+        spec = vllm_config.speculative_config
+        if self.mixed_capture_sizes and spec is not None:  # verification steps: smaller graphs too
+            self.mixed_capture_sizes = verification_capture_sizes(
+                int(spec.num_speculative_tokens), self.capture_sizes, self.mixed_capture_sizes[0]) \
+                + self.mixed_capture_sizes
         self.max_mixed_capture_size = self.mixed_capture_sizes[-1] if self.mixed_capture_sizes else 0
         #: padded token count -> (replay, (hidden states,)) of a mixed-batch graph
         self._mixed_graphs: dict[int, tuple[Callable[[], None], tuple[torch.Tensor, ...]]] = {}
@@ -141,15 +149,17 @@ class CudaModelRunner(ModelRunner):
                              for _ in range(num_groups)]
         # NOTE: two sets of pinned staging buffers, used in turn: with async scheduling the host
         # stages step N+1 while the copies of step N may still be queued behind the device's
-        # work, so a step must not overwrite the buffers the step before it copies from. (The
-        # step after next may: its inputs are staged after the engine waited for step N's tokens,
-        # which the device produced after step N's copies.)
+        # work, so a step must not overwrite the buffers the step before it copies from. The step
+        # after next waits for them (``_staging_copied``): usually long done, since the engine
+        # waited for step N's tokens, but a step that samples nothing gives it nothing to wait for.
         self._staging = [
             (torch.zeros(step_len, dtype=torch.int64, pin_memory=pin),
              [torch.zeros(self.max_num_reqs * self.max_blocks, dtype=torch.int32, pin_memory=pin)
               for _ in range(num_groups)])
             for _ in range(2)
         ]
+        #: per staging set, an event completed once the copies out of it ran (None: nothing queued)
+        self._staging_copied: list = [None, None]
 
     def set_kv_cache_groups(self, groups) -> None:
         num_groups = self.num_kv_cache_groups
@@ -181,8 +191,15 @@ class CudaModelRunner(ModelRunner):
         ``mixed=True`` pads for a mixed-batch graph instead: padded tokens belong to no request
         and padded requests have no tokens and no context, and the metadata never selects the
         decode-only kernels (the graph must hold the variant that serves every batch)."""
-        step_host, bt_hosts = self._staging[self._num_staged % 2]
+        which = self._num_staged % 2
+        step_host, bt_hosts = self._staging[which]
         self._num_staged += 1
+        copied = self._staging_copied[which]
+        if copied is not None:
+            # NOTE: the copies out of these buffers (two steps ago) may still be queued: a step
+            # that samples nothing (a prompt chunk) returns without the engine waiting for it, so
+            # with async scheduling the host can stage the step after next before they ran.
+            copied.synchronize()
         t = step_host.numpy()
         ts, rs = _tok_stride(num_tokens), _req_stride(num_reqs)
         num_groups = len(self.block_tables)
@@ -254,6 +271,7 @@ class CudaModelRunner(ModelRunner):
                     block_table[:real_b, :nb].copy_(staged, non_blocking=True)
             max_seq_len = int(step.seq_lens.max())
             max_query_len = int(step.num_scheduled.max())
+        self._staging_copied[which] = self.platform.record_event()
         if mixed:
             max_query_len = max(max_query_len, 2)
         return CommonAttentionMetadata(
@@ -491,11 +509,8 @@ class CudaModelRunner(ModelRunner):
         assert self.model is not None
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
-        # NOTE: one KV-cache group only: with two (Gemma 3's sliding-window and full layers),
-        # chunked prefill through mixed graphs gave wrong tokens on the H200 (tests/cuda's
-        # gemma3-chunked-tiny-budget, 2026-12-01); such models run those steps eagerly.
-        if len(self.block_tables) > 1:
-            self.mixed_capture_sizes, self.max_mixed_capture_size = [], 0
+        # NOTE: every KV-cache group's metadata reads its own persistent block table and slot
+        # mapping segment (_metadata), so models of several groups replay these graphs too.
         for size in reversed(self.mixed_capture_sizes):
             metadata = self._metadata(self._stage(None, size, self.max_num_reqs, mixed=True))
             input_ids, positions = self._ids_positions(size)

@@ -17,6 +17,7 @@ from pagedlm.core.multimodal.encoder_cache import make_encoder_cache_manager
 from pagedlm.core.request import EngineCoreRequest, Request, RequestStatus
 from pagedlm.core.sched import EngineCoreOutput, Scheduler, SchedulerStats
 from pagedlm.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+from pagedlm.core.spec_decode.engine_step import synchronous_step
 from pagedlm.core.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
@@ -228,6 +229,9 @@ class EngineCore:
     def _step_with_batch_queue(self, queue: deque[tuple[Future, SchedulerOutput]]) -> list[EngineCoreOutput]:
         """Submit a new batch while the queue has room; otherwise (or when nothing new can be
         scheduled) wait for the oldest batch and return its outputs."""
+        spec = self.scheduler.spec
+        if spec is not None and spec.steps_synchronously(len(self.scheduler.running)):
+            return synchronous_step(self, queue)  # drafts need the last step's tokens
         outputs: list[EngineCoreOutput] = []
         if len(queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()

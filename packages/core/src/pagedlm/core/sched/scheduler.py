@@ -267,8 +267,9 @@ class Scheduler:
             num_placeholders = request.num_output_placeholders
             num_computed = request.num_computed_tokens
             num_new_tokens = num_tokens + num_placeholders - num_computed
+            # (none in a step scheduled ahead of the last one's tokens: spec_decode/engine_step.py)
             drafts = spec.drafts_to_schedule(request, num_new_tokens, len(running)) \
-                if spec is not None and request.spec_token_ids else None
+                if spec is not None and request.spec_token_ids and not async_scheduling else None
             if drafts:
                 num_new_tokens += len(drafts)
             if num_new_tokens > token_budget:

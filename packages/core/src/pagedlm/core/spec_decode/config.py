@@ -108,12 +108,13 @@ class SpeculativeConfig:
 
 def check_speculative_config(vllm_config: Any) -> None:
     """What speculation needs from the rest of the engine configuration (``VllmConfig.finalize``):
-    a registered method, one pipeline stage, no custom logits processors, and synchronous
-    scheduling (verification needs the previous step's tokens on the host)."""
+    a registered method, one pipeline stage, no custom logits processors, and, for a method whose
+    proposer follows every step (a draft model), synchronous scheduling. Other methods keep async
+    scheduling: their steps with drafts run synchronously (spec_decode/engine_step.py)."""
     from pagedlm.core.spec_decode.proposer import get_proposer_cls
 
     spec = vllm_config.speculative_config
-    get_proposer_cls(str(spec.method))
+    proposer_cls = get_proposer_cls(str(spec.method))
     pc, sc = vllm_config.parallel_config, vllm_config.scheduler_config
     if pc.pipeline_parallel_size > 1:
         raise ValueError("speculative_config does not work with pipeline_parallel_size > 1 yet")
@@ -122,7 +123,9 @@ def check_speculative_config(vllm_config: Any) -> None:
     if vllm_config.model_config.logits_processors:
         raise ValueError("speculative_config does not work with logits_processors yet (verification samples "
                          "several positions per request)")
+    if not proposer_cls.needs_every_step:
+        return
     if sc.async_scheduling:
-        raise ValueError("speculative_config needs async_scheduling off (drafts are verified against the "
-                         "previous step's tokens on the host); drop async_scheduling=True")
+        raise ValueError(f"speculative_config.method={spec.method!r} needs async_scheduling off (its proposer "
+                         "follows every step's tokens on the host); drop async_scheduling=True")
     sc.async_scheduling = False

@@ -29,6 +29,8 @@ def ngram_drafts(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int
 
 
 class NgramProposer(SpecProposer):
+    needs_every_step = False  # drafts come from the request's tokens alone
+
     def propose(self, batch: ProposalBatch) -> list[list[int]]:
         cfg = self.speculative_config
         lo, hi = int(cfg.prompt_lookup_min), int(cfg.prompt_lookup_max)  # type: ignore[arg-type]

@@ -52,6 +52,11 @@ class SpecProposer:
     Methods without a model of their own (n-gram) implement only :meth:`propose`.
     """
 
+    #: whether :meth:`propose` must see every step (a method with its own KV cache follows the
+    #: target's tokens). Methods that need not run with async scheduling: steps that get no
+    #: drafts (``disable_by_batch_size``) are then scheduled asynchronously and not proposed for.
+    needs_every_step: bool = True
+
     def __init__(self, *, speculative_config: SpeculativeConfig, runner: Any) -> None:
         self.speculative_config = speculative_config
         self.runner = runner

@@ -62,6 +62,15 @@ def verify(logits: torch.Tensor,
     """
     device = logits.device
     row_counts = [len(r.draft_token_ids) + 1 for r in requests]
+    if all(_plain_greedy(r.sampling_params) for r in requests):
+        # the common case, cheaply: no sampling metadata, no logits processing (it would change
+        # nothing), one argmax copied to the host
+        argmax = logits.argmax(dim=-1).tolist()
+        starts = [0]
+        for rows in row_counts:
+            starts.append(starts[-1] + rows)
+        tokens = [_longest_match(argmax, start, r.draft_token_ids) for start, r in zip(starts, requests)]
+        return tokens, _logprobs(logits, requests, tokens, starts)
     params, prompts, outputs = [], [], []
     for req, rows in zip(requests, row_counts, strict=True):
         for j in range(rows):
@@ -141,6 +150,26 @@ def verify(logits: torch.Tensor,
             tokens[i].append(drawn[s])
 
     return tokens, _logprobs(logits, requests, tokens, starts)
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing that changes the argmax: no logit bias, no active ``min_tokens``, no
+    penalties (what ``process_logits`` applies)."""
+    return (float(params.temperature) < _SAMPLING_EPS and not params.logit_bias
+            and not (params.min_tokens > 0 and params.all_stop_token_ids)
+            and abs(float(params.presence_penalty)) < _SAMPLING_EPS
+            and abs(float(params.frequency_penalty)) < _SAMPLING_EPS
+            and abs(float(params.repetition_penalty) - 1.0) < _SAMPLING_EPS)
+
+
+def _longest_match(argmax: list[int], start: int, drafts: Sequence[int]) -> list[int]:
+    """The drafts equal to the target's argmax (rows from ``start``), then the target's token."""
+    accepted = 0
+    for j, token in enumerate(drafts):
+        if argmax[start + j] != token:
+            break
+        accepted += 1
+    return [*drafts[:accepted], argmax[start + accepted]]
 
 
 def _logprobs(logits: torch.Tensor, requests: Sequence[VerifyRequest], tokens: list[list[int]],

@@ -5,8 +5,9 @@ known tokens, so the step's flat inputs carry them like any token; after the for
 target's logits are taken at every draft position plus one per sampling request (the
 logits-index path), verified (``rejection_sampler.verify``), and the proposer drafts the next
 step's tokens. A step without any draft samples through the runner's own sampler, exactly as
-without speculation, and only proposes. The step's result is on the host when this returns (no async scheduling with
-speculation: ``spec_decode.config.check_speculative_config``).
+without speculation, and only proposes. A step with drafts runs synchronously, its result on the
+host when this returns; with async scheduling (n-gram), steps that get no drafts run
+asynchronously and propose nothing (``spec_decode/engine_step.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ class SpecDecodeRunner:
             state = batch.requests[req_id]
             batch.token_ids[state.row, state.num_tokens : state.num_tokens + len(drafts)] = drafts
 
+    def proposes(self, non_block: bool) -> bool:
+        """Whether a step without drafts proposes: always when run synchronously; a step scheduled
+        asynchronously gets no drafts next (spec_decode/engine_step.py), so only a proposer that
+        must see every step (a draft model's cache follows the target) waits for its tokens."""
+        return not non_block or self.proposer.needs_every_step
+
     def propose(self, output: ModelRunnerOutput, step: StepInputs, states: list) -> ModelRunnerOutput:
         """The next drafts for a step that had none (sampled as without speculation)."""
         output.spec_token_ids = self._propose(step, states, output.sampled_token_ids,
@@ -60,7 +67,8 @@ class SpecDecodeRunner:
             # NOTE: the logits-index path: request b's d drafts end its chunk, so its rows are the
             # last d + 1 positions of the chunk (d = 0: the last position only)
             index = np.concatenate([np.arange(end - len(d) - 1, end) for end, d in zip(ends, drafts, strict=True)])
-            logits = runner.model.compute_logits(hidden_states[torch.from_numpy(index).to(runner.device)])
+            logits = runner.model.compute_logits(
+                hidden_states[torch.from_numpy(index).to(runner.device, non_blocking=True)])  # (no stream sync)
             requests = [VerifyRequest(s.sampling_params, s.prompt_token_ids if s.prompt_embeds is None else [],
                                       s.output_token_ids, d, s.generator)
                         for s, d in zip((states[b] for b in sample_indices), drafts, strict=True)]

@@ -33,6 +33,11 @@ class SpecDecodeScheduling:
         room = request.max_num_tokens - request.num_tokens - 1
         return drafts if len(drafts) <= room else drafts[: max(room, 0)]
 
+    def steps_synchronously(self, num_running: int) -> bool:
+        """Whether an engine with async scheduling runs its next step synchronously (one with
+        ``num_running`` running requests may get drafts: spec_decode/engine_step.py)."""
+        return self.config.speculates(num_running)
+
     def num_slots(self, num_computed: int, num_new_tokens: int) -> int:
         """KV slots to allocate for ``num_new_tokens`` tokens scheduled after ``num_computed``
         computed ones: plus the draft model's lookahead, within ``max_model_len``."""

@@ -397,8 +397,9 @@ class ModelRunner:
         pending = AsyncModelRunnerOutput(
             d.step.req_ids, d.prompt_logprobs, sample_indices=d.step.sample_indices, sample_states=d.sample_states,
             token_ids_host=token_ids_host, event=event, logprobs=out.logprobs_tensors)
-        if self.spec_decode is not None:  # (a step without drafts samples as without speculation)
-            return _done(self.spec_decode.propose(pending.result(), d.step, d.states), non_block)
+        spec = self.spec_decode
+        if spec is not None and spec.proposes(non_block):  # (a step without drafts samples as without speculation)
+            return _done(spec.propose(pending.result(), d.step, d.states), non_block)
         return pending if non_block else pending.result()
 
     def _pool(self, sched: SchedulerOutput, step: StepInputs, states: list,
