@@ -54,7 +54,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition, num_embeddings)
         dtype = params_dtype or torch.get_default_dtype()
         self.params_dtype = dtype
-        self.quant_method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
+        self.quant_method = (quant_config.get_quant_method(self, prefix)
+                             if quant_config is not None and quant_config.quantizes_embeddings else None)
         if self.quant_method is not None:
             self.quant_method.create_weights(self, self.num_embeddings_per_partition, embedding_dim, dtype)
             return

@@ -20,13 +20,13 @@ from pagedlm.core.model_loader.pooling_adapter import (
     prefix_body_weights,
 )
 from pagedlm.core.model_loader.registry import get_model_class
-from pagedlm.core.utils.heap import release_free_heap
 from pagedlm.core.model_loader.weight_utils import (
     find_weight_files,
     initialize_dummy_weights,
     pt_weights_iterator,
     safetensors_weights_iterator,
 )
+from pagedlm.core.utils.heap import release_free_heap
 
 if TYPE_CHECKING:
     from pagedlm.core.attention.backend import AttentionBackend

@@ -102,8 +102,9 @@ def get_quant_config(model_config: ModelConfig, *, dummy: bool = False) -> Quant
     if model_config.is_gguf:
         # NOTE: a GGUF file's method depends on the platform; VllmConfig.finalize picks it (gguf.py).
         if user not in (None, "gguf"):
-            raise ValueError(f"quantization={model_config.quantization!r} cannot read the GGUF file {model_config.model}: "
-                             "its tensors carry their own ggml types; pass quantization=\"gguf\" or leave it unset")
+            raise ValueError(f"quantization={model_config.quantization!r} cannot read the GGUF file "
+                             f"{model_config.model}: its tensors carry their own ggml types; pass "
+                             'quantization="gguf" or leave it unset')
         return None
     hf_config = model_config.hf_config
     ckpt = hf_quant_config(hf_config, model_config.model if not model_config.is_gguf else None) \

@@ -116,6 +116,10 @@ class QuantizationConfig(ABC):
     #: loader then does not require a model class to hand ``quant_config`` to its linear layers
     requires_quantized_layers: bool = True
 
+    #: True for a method that also gives token embeddings / LM heads a method (GGUF); the others are
+    #: never asked for those layers (their get_quant_method assumes linear layers)
+    quantizes_embeddings: bool = False
+
     #: fused parameter -> the checkpoint modules stacked in it (an ignore list names the latter)
     packed_modules_mapping: dict[str, list[str]] = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],

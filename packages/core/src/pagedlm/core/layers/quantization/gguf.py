@@ -199,12 +199,14 @@ class GGUFConfig(QuantizationConfig):
     """
 
     requires_quantized_layers = False  # a layer it does not claim loads dequantized, as without it
+    quantizes_embeddings = True
 
     def __init__(self, tensor_types: dict[str, tuple[int, str]], path: str = "") -> None:
         self.tensor_types = tensor_types  # HF name -> (ggml type id, ggml type name)
         self.path = path
         self.quantized_tensors: set[str] = set()
-        dequantized = Counter(name for t, name in tensor_types.values() if t not in KERNEL_TYPES and t not in _FLOAT_TYPES)
+        dequantized = Counter(name for t, name in tensor_types.values()
+                              if t not in KERNEL_TYPES and t not in _FLOAT_TYPES)
         if dequantized:
             logger.info("%s: GGUF tensors of type %s are dequantized at load (the GGUF kernels compute on %s)",
                         path, ", ".join(f"{n} ({c})" for n, c in sorted(dequantized.items())),
