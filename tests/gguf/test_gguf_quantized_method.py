@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("gguf")
+gguf = pytest.importorskip("gguf")
 
 from pagedlm.core import LLM
 from pagedlm.core.config import DeviceConfig, ModelConfig, VllmConfig
@@ -26,9 +26,30 @@ def test_cpu_keeps_linear_layers_and_embedding_quantized(llama_q8: str) -> None:
     model = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.model
     layer = model.model.layers[0]
     assert type(layer.self_attn.qkv_proj.quant_method).__name__ == "GGUFLinearMethod"
+    assert [t for t, _, _ in layer.self_attn.qkv_proj.gguf_segments] == [8]  # q, k, v: one Q8_0 run
     assert layer.self_attn.qkv_proj.weight.dtype.is_floating_point is False
     assert type(model.model.embed_tokens.quant_method).__name__ == "GGUFEmbeddingMethod"
     assert "model.layers.0.mlp.gate_proj.weight" in config.quantized_tensors
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q5_0"])
+def test_q4_0_and_q5_0_repack_as_q8_0_with_identical_values(name: str) -> None:
+    import numpy as np
+    import torch
+
+    from pagedlm.core.layers.quantization.gguf import repack_as_q8_0
+    from pagedlm.core.model_loader.gguf_dequant import dequantize
+
+    qtype = gguf.GGMLQuantizationType[name]
+    _, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(5 * 3, size), dtype=np.uint8)
+    raw[:, 0:2] = rng.uniform(-1, 1, size=15).astype(np.float16).view(np.uint8).reshape(15, 2)
+    blocks = torch.from_numpy(raw).view(5, 3 * size)
+    repacked = repack_as_q8_0(blocks, int(qtype))
+    assert repacked.shape == (5, 3 * 34)
+    expected = dequantize(blocks.reshape(-1), int(qtype), (5, 96))
+    assert torch.equal(dequantize(repacked.reshape(-1), 8, (5, 96)), expected)
 
 
 def test_float_gguf_file_has_no_method(tiny_checkpoints: dict[str, str], tmp_path: Path) -> None:
