@@ -8,9 +8,9 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from pagedlm.core import LLM
-from pagedlm.core.config import DeviceConfig, ModelConfig, VllmConfig
-from pagedlm.core.model_loader.gguf_export import write_gguf
+from pagedlm.core import LLM  # noqa: E402
+from pagedlm.core.config import DeviceConfig, ModelConfig, VllmConfig  # noqa: E402
+from pagedlm.core.model_loader.gguf_export import write_gguf  # noqa: E402
 
 
 @pytest.fixture(scope="module")
