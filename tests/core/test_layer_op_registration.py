@@ -69,9 +69,11 @@ def test_a_plugin_op_on_the_cpu_platform_is_used_by_the_model(ops_plugin, tiny_l
     reference, _ = _greedy(tiny_llama)
     ops_plugin("counting_ops", _OpsPlugin(("silu_and_mul", "cpu", f"{HERE}:counting_silu_and_mul"),
                                           ("rms_norm", "elsewhere", f"{HERE}:never_called")))
-    assert custom_ops.registered_ops("cpu") == {"silu_and_mul": counting_silu_and_mul}
+    # NOTE: besides the CPU backend's own GGUF kernels (gguf_mul_mat, gguf_get_rows)
+    cpu_ops = custom_ops.registered_ops("cpu")
+    assert cpu_ops["silu_and_mul"] is counting_silu_and_mul and "rms_norm" not in cpu_ops
     tokens, runner = _greedy(tiny_llama)
-    assert runner.layer_ops == {"silu_and_mul": counting_silu_and_mul}
+    assert runner.layer_ops["silu_and_mul"] is counting_silu_and_mul
     assert CALLS, "the model's MLPs did not call the registered op"
     assert tokens == reference  # the op keeps the contract, so greedy tokens are unchanged
 

@@ -44,7 +44,8 @@ def test_detection_from_config_json_and_user_option(tmp_path):
 
 
 @pytest.mark.parametrize("config, match", [
-    ({"quant_method": "nosuch"}, "unknown quantization method 'nosuch'; supported: awq, compressed-tensors, fp8, gptq"),
+    ({"quant_method": "nosuch"},
+     "unknown quantization method 'nosuch'; supported: awq, compressed-tensors, fp8, gguf, gptq"),
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, r"GPTQ bits=3 is not supported; supported: \[4, 8\]"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 96}, "GPTQ group_size=96 is not supported"),
     ({"quant_method": "awq", "w_bit": 4, "q_group_size": 128, "version": "gemv"}, "AWQ version='gemv'"),

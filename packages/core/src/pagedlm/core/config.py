@@ -488,6 +488,10 @@ class VllmConfig(_Freezable):
             raise ValueError(f"load_format={load_format!r} cannot read the GGUF file {mc.model}; use auto or gguf")
         elif load_format == "gguf" and not mc.is_gguf:
             raise ValueError(f'load_format="gguf" needs model=FILE.gguf; got model={mc.model!r}')
+        if mc.is_gguf and self.load_config.load_format == "gguf" and self.quant_config is None:
+            from pagedlm.core.layers.quantization.gguf import gguf_quant_config
+
+            self.quant_config = gguf_quant_config(self, platform)
         sc = self.scheduler_config
         if mc.runner == "pooling" and mc.pooling_type != "LAST" and self.cache_config.enable_prefix_caching:
             # NOTE: MEAN and CLS pooling read the hidden state of every prompt token; a prefix-cache

@@ -26,3 +26,10 @@ def pagedlm_register_platforms(register: Callable[..., None]) -> None:
 @hookimpl
 def pagedlm_register_attention_backends(register: Callable[[str, str], None]) -> None:
     register("cpu_paged", "pagedlm.backends.cpu.attention:CpuPagedAttentionBackend")
+
+
+@hookimpl
+def pagedlm_register_ops(register: Callable[..., None]) -> None:
+    # C kernels (kernels/gguf_kernels.c), compiled at first use, on GGUF blocks as stored.
+    for op in ("gguf_mul_mat", "gguf_get_rows"):
+        register(op, "cpu", f"pagedlm.backends.cpu.kernels.gguf_ops:{op}")

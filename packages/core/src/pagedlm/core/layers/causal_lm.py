@@ -33,12 +33,15 @@ class CausalLM(nn.Module):
     config: Any
     model: nn.Module
 
-    def init_lm_head(self, prefix: str) -> None:
+    def init_lm_head(self, prefix: str, quant_config: Any = None) -> None:
+        """The LM head (tied to the embedding when the config says so); ``quant_config`` may keep
+        an untied head quantized (a method with ``quantizes_embeddings``, e.g. GGUF)."""
         config = self.config
         self.lm_head: ParallelLMHead | PPMissingLayer = PPMissingLayer()
         if get_pp_group().is_last_rank:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
-                                          prefix=f"{prefix}.lm_head" if prefix else "lm_head")
+                                          prefix=f"{prefix}.lm_head" if prefix else "lm_head",
+                                          quant_config=quant_config)
             # NOTE: a last stage that is not also the first holds no embedding to tie to; it
             # gets its own copy, loaded from the embedding's tensor (see load_weights).
             if getattr(config, "tie_word_embeddings", False) and not is_pp_missing(self.model.embed_tokens):
@@ -108,7 +111,8 @@ class DecoderModel(nn.Module):
     running residual, as Llama and Qwen are).
     """
 
-    def __init__(self, config: Any, prefix: str, make_layer: Callable[[int], nn.Module]) -> None:
+    def __init__(self, config: Any, prefix: str, make_layer: Callable[[int], nn.Module],
+                 quant_config: Any = None) -> None:
         super().__init__()
         self.config = config
         # NOTE: with pipeline parallelism this rank builds only its stage's modules (the others
@@ -116,7 +120,8 @@ class DecoderModel(nn.Module):
         pp = get_pp_group()
         self.embed_tokens = (
             VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                   prefix=f"{prefix}.embed_tokens" if prefix else "embed_tokens")
+                                   prefix=f"{prefix}.embed_tokens" if prefix else "embed_tokens",
+                                   quant_config=quant_config)
             if pp.is_first_rank else PPMissingLayer()
         )
         self.start_layer, self.end_layer, self.layers = make_layers(config.num_hidden_layers, make_layer)

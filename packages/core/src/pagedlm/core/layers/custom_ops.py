@@ -107,6 +107,18 @@ OP_CONTRACTS: Mapping[str, str] = MappingProxyType({
         "dtype, q the unsigned bits-wide field at bit bits * (k % p) of qweight[e, n, k // p], p = 32 // bits, "
         "z = 2 ** (bits - 1) when zeros is None."
     ),
+    # GGUF blocks computed on as stored (pagedlm.core.layers.quantization.gguf; API 1.4).
+    "gguf_mul_mat": (
+        "fn(x [M, K] float32/bfloat16/float16, qweight [N, K // B * S] uint8 (contiguous: row n is W[n]'s K // B "
+        "blocks of ggml type qtype, B values / S bytes each), qtype: int, N: int) -> [M, N] in x's dtype: x @ W^T "
+        "computed in float32, W decoded exactly as pagedlm.core.model_loader.gguf_dequant.dequantize does (the "
+        "same float32 values; only the summation order may differ). qtype is one of gguf.KERNEL_TYPES: Q4_0, "
+        "Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K."
+    ),
+    "gguf_get_rows": (
+        "fn(qweight [V, K // B * S] uint8, qtype: int, ids [...] int64, K: int) -> [..., K] float32: rows ids of the "
+        "table decoded exactly as gguf_dequant.dequantize; ValueError for an id outside [0, V)."
+    ),
     # The batched LoRA update (pagedlm.core.lora.punica; API 1.2): the step's tokens grouped by slot.
     "lora_shrink": (
         "fn(x [T, K], lora_a [L, R, K] (rows contiguous), sorted_token_ids [>= T] int32, slot_starts [L] int32, "

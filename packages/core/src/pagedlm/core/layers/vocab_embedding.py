@@ -26,7 +26,12 @@ __all__ = ["LogitsProcessor", "ParallelLMHead", "VocabParallelEmbedding", "compu
 
 class VocabParallelEmbedding(nn.Module):
     """``input_ids [T] -> [T, embedding_dim]``; each rank looks up the ids in its vocab range
-    and the ranks all-reduce (every id is owned by exactly one rank)."""
+    and the ranks all-reduce (every id is owned by exactly one rank).
+
+    ``quant_config``: a method it gives for ``prefix`` (e.g. ``GGUFEmbeddingMethod``) creates
+    ``weight`` in its own layout and computes the lookup (``embedding``) and, for a head, the
+    logits (``apply``); without one the table is ``weight [V_r, embedding_dim]`` in full precision.
+    """
 
     def __init__(
         self,
@@ -34,6 +39,7 @@ class VocabParallelEmbedding(nn.Module):
         embedding_dim: int,
         params_dtype: torch.dtype | None = None,
         prefix: str = "",
+        quant_config: Any = None,
     ) -> None:
         super().__init__()
         self.num_embeddings = num_embeddings
@@ -47,6 +53,12 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition, num_embeddings)
         dtype = params_dtype or torch.get_default_dtype()
+        self.params_dtype = dtype
+        self.quant_method = (quant_config.get_quant_method(self, prefix)
+                             if quant_config is not None and quant_config.quantizes_embeddings else None)
+        if self.quant_method is not None:
+            self.quant_method.create_weights(self, self.num_embeddings_per_partition, embedding_dim, dtype)
+            return
         self.weight = nn.Parameter(
             torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=dtype), requires_grad=False
         )
@@ -65,6 +77,8 @@ class VocabParallelEmbedding(nn.Module):
         param.data[n:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.embedding(self, input_ids)  # NOTE: methods are single-rank (GGUF)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
@@ -87,12 +101,14 @@ class ParallelLMHead(VocabParallelEmbedding):
     """
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> ParallelLMHead:
-        """Share the embedding table (``tie_word_embeddings``): one Parameter, loaded once."""
-        if embedding.weight.shape != self.weight.shape:
-            raise ValueError(
-                f"cannot tie lm_head {tuple(self.weight.shape)} to embedding {tuple(embedding.weight.shape)}"
-            )
+        """Share the embedding table (``tie_word_embeddings``): one Parameter, loaded once, and its
+        quantize method (a quantized table computes the logits too)."""
+        mine = (self.num_embeddings_per_partition, self.embedding_dim)
+        theirs = (embedding.num_embeddings_per_partition, embedding.embedding_dim)
+        if mine != theirs:
+            raise ValueError(f"cannot tie lm_head {mine} to embedding {theirs}")
         self.weight = embedding.weight
+        self.quant_method = embedding.quant_method
         return self
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover - misuse guard
@@ -107,7 +123,8 @@ def compute_logits(lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor,
     float32; padding columns of the vocab are dropped. ``float32=False`` skips the cast when there
     is no scale or soft cap (the result is then a view in the model dtype, row stride free).
     """
-    logits = F.linear(hidden_states, lm_head.weight)
+    method = lm_head.quant_method
+    logits = F.linear(hidden_states, lm_head.weight) if method is None else method.apply(lm_head, hidden_states)
     if lm_head.tp_size > 1:
         # NOTE: rank r's columns are vocab rows [r*V_pad/tp, ...), so concatenating in rank
         # order restores vocab order.

@@ -220,7 +220,7 @@ def dequantize(
             f"{raw.numel()} bytes do not hold {numel} values in blocks of {block_values} values / {block_bytes} bytes"
         )
     blocks = raw.view(-1, block_bytes)
-    out = torch.empty(numel, dtype=dtype)
+    out = torch.empty(numel, dtype=dtype, device=raw.device)
     chunk_blocks = max(1, _CHUNK_VALUES // block_values)
     for start in range(0, blocks.shape[0], chunk_blocks):
         chunk = blocks[start : start + chunk_blocks]

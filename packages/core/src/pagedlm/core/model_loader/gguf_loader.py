@@ -8,11 +8,12 @@ from :func:`gguf_weights_iterator` (HF names, dequantized at load time) into the
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from typing import Any
 
 import torch
 
+from pagedlm.core.layers.quantization.gguf import GGUFWeight
 from pagedlm.core.logger import init_logger
 from pagedlm.core.model_loader.gguf_config import (
     GGUFArch,
@@ -21,6 +22,7 @@ from pagedlm.core.model_loader.gguf_config import (
     hf_expert_stack_name,
     hf_tensor_name,
     to_hf_tensor,
+    unpermute_qk,
 )
 from pagedlm.core.model_loader.gguf_dequant import SUPPORTED_TYPES, dequantize, is_supported
 from pagedlm.core.model_loader.gguf_reader import GGUFFile, read_gguf
@@ -103,8 +105,11 @@ def load_gguf_model_config(path: str) -> tuple[Any, dict[str, Any]]:
     return config, generation_config
 
 
-def gguf_weights_iterator(path: str, hf_config: Any | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every weight of the GGUF file, dequantized.
+def gguf_weights_iterator(path: str, hf_config: Any | None = None,
+                          quantized: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+    """Yield ``(hf_name, float32 tensor)`` for every weight of the GGUF file, dequantized, except the
+    names in ``quantized``: those come as :class:`GGUFWeight` (the blocks as stored, a view of the file
+    that the weight loader copies; the ``gguf`` quantization method computes on them).
 
     ``hf_config`` (from :func:`load_gguf_model_config`; rebuilt when None) supplies the head counts
     that undoing llama's q/k permutation needs. Tensors are decoded one at a time, so peak memory
@@ -120,6 +125,9 @@ def gguf_weights_iterator(path: str, hf_config: Any | None = None) -> Iterator[t
             stack = hf_expert_stack_name(arch, info.name)
             if name is None and stack is None:
                 continue
+            if name in quantized:
+                yield name, _quantized_weight(arch, name, gguf.tensor_bytes(info), info, config)
+                continue
             try:
                 tensor = dequantize(gguf.tensor_bytes(info), info.ggml_type, info.shape)
             except ValueError as e:
@@ -130,3 +138,13 @@ def gguf_weights_iterator(path: str, hf_config: Any | None = None) -> Iterator[t
                 continue
             assert name is not None
             yield name, to_hf_tensor(arch, name, tensor, config)
+
+
+def _quantized_weight(arch: GGUFArch, name: str, data: Any, info: Any, config: Any) -> GGUFWeight:
+    """The blocks of a 2-D tensor as ``[rows, row_bytes]``; llama's q/k row permutation is undone on
+    whole rows (each row's blocks move together, unchanged)."""
+    rows, k = info.shape
+    blocks = torch.from_numpy(data).view(rows, -1)
+    if arch.qk_permuted and (".q_proj." in name or ".k_proj." in name):
+        blocks = unpermute_qk(blocks, config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads)
+    return GGUFWeight(blocks, info.ggml_type, (rows, k))

@@ -21,6 +21,7 @@ from typing import Any
 
 from pagedlm.core import envs
 from pagedlm.core.logger import init_logger
+from pagedlm.core.utils.heap import release_free_heap
 
 logger = init_logger(__name__)
 
@@ -63,6 +64,14 @@ def _cached_is_valid(cache_dir: str, path: str) -> bool:
 
 
 def load_gguf_tokenizer(path: str, **kwargs: Any) -> Any:
+    """See :func:`_load_gguf_tokenizer`; the heap the loading freed goes back to the OS."""
+    try:
+        return _load_gguf_tokenizer(path, **kwargs)
+    finally:
+        release_free_heap()
+
+
+def _load_gguf_tokenizer(path: str, **kwargs: Any) -> Any:
     """A transformers fast tokenizer for the GGUF file at ``path`` (cached; see the module doc).
 
     ``kwargs`` go to ``AutoTokenizer.from_pretrained``. Raises ``ValueError`` naming the file if

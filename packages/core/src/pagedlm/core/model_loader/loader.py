@@ -26,6 +26,7 @@ from pagedlm.core.model_loader.weight_utils import (
     pt_weights_iterator,
     safetensors_weights_iterator,
 )
+from pagedlm.core.utils.heap import release_free_heap
 
 if TYPE_CHECKING:
     from pagedlm.core.attention.backend import AttentionBackend
@@ -57,17 +58,21 @@ def _model_dtype(model_config: ModelConfig) -> torch.dtype:
     return model_config.config_dtype if dtype == "auto" else _STR_TO_DTYPE[dtype]
 
 
-def get_weights_iterator(model_dir: str, load_format: str, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def get_weights_iterator(model_dir: str, load_format: str, lazy: bool = False,
+                         quant_config: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, cpu_tensor)`` pairs of the checkpoint in ``model_dir`` for ``load_format``.
 
     ``lazy=True`` yields safetensors weights as :class:`LazyWeight` (read slice by slice).
     ``load_format="gguf"`` (or ``"auto"`` with a ``.gguf`` file as ``model_dir``) yields the
-    file's tensors under HF names, dequantized to float32 (always whole tensors).
+    file's tensors under HF names, dequantized to float32 (always whole tensors), except those a
+    ``GGUFConfig`` ``quant_config`` keeps quantized (yielded as ``GGUFWeight``).
     """
+    from pagedlm.core.layers.quantization.gguf import GGUFConfig
     from pagedlm.core.model_loader.gguf_loader import gguf_weights_iterator, is_gguf_file
 
     if load_format == "gguf" or (load_format == "auto" and is_gguf_file(model_dir)):
-        return gguf_weights_iterator(model_dir)
+        quantized = quant_config.quantized_tensors if isinstance(quant_config, GGUFConfig) else ()
+        return gguf_weights_iterator(model_dir, quantized=quantized)
     files = find_weight_files(model_dir, load_format)
     if load_format == "pt":
         return pt_weights_iterator(files)
@@ -104,7 +109,7 @@ def load_model(
     with _default_dtype(dtype), device, set_current_vllm_config(vllm_config, attn_backend_cls) as ctx:
         model = model_cls(vllm_config=vllm_config, prefix="")
     attention_layers = dict(ctx.attention_layers)
-    if quant_config is not None:
+    if quant_config is not None and quant_config.requires_quantized_layers:
         _check_quantized_layers(model, model_cls.__name__, quant_config)
 
     if load_format == "dummy":
@@ -118,7 +123,7 @@ def load_model(
         # NOTE: a multi-rank run reads lazily so each rank reads only its slices (TP) or its
         # stage's layers (PP); one rank keeps plain tensors, which any model code accepts.
         lazy = vllm_config.parallel_config.world_size > 1
-        weights = get_weights_iterator(model_config.model, load_format, lazy=lazy)
+        weights = get_weights_iterator(model_config.model, load_format, lazy=lazy, quant_config=quant_config)
         if is_base_model_checkpoint(model_config):  # e.g. a sentence-transformers export (pooling_adapter.py)
             weights = prefix_body_weights(weights)
             mark_head_optional(model)
@@ -133,6 +138,7 @@ def load_model(
             )
     process_weights_after_loading(model)
     model.eval()
+    release_free_heap()  # the loading's scratch (decoded tensors, file views) leaves the resident set
     weight_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
     model.weight_memory_bytes = weight_bytes  # type: ignore[assignment]
     logger.info(

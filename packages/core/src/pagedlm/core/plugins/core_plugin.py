@@ -22,6 +22,7 @@ def pagedlm_register_quantization_methods(register: Callable[..., None]) -> None
     register("compressed-tensors", f"{_QUANT}.compressed_tensors:CompressedTensorsConfig")
     register("gptq", f"{_QUANT}.gptq:GPTQConfig")
     register("awq", f"{_QUANT}.awq:AWQConfig")
+    register("gguf", f"{_QUANT}.gguf:GGUFConfig")
 
 
 _KVT = "pagedlm.core.distributed.kv_transfer"

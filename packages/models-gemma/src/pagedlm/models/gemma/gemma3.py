@@ -184,7 +184,8 @@ class Gemma3Model(nn.Module):
         self.config = config
         max_position = int(vllm_config.model_config.max_model_len or config.max_position_embeddings)
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
+            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens"),
+            quant_config=vllm_config.quant_config,
         )
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(config, maybe_prefix(prefix, f"layers.{i}"), i, max_position, vllm_config.quant_config)

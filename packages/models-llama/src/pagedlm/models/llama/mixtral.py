@@ -71,7 +71,7 @@ class MixtralModel(DecoderModel):
         config = vllm_config.model_config.text_config
         quant_config = getattr(vllm_config, "quant_config", None)
         super().__init__(config, prefix, lambda i: MixtralDecoderLayer(
-            config, maybe_prefix(prefix, f"layers.{i}"), quant_config))
+            config, maybe_prefix(prefix, f"layers.{i}"), quant_config), quant_config=quant_config)
 
 
 class MixtralForCausalLM(CausalLM):
@@ -84,7 +84,7 @@ class MixtralForCausalLM(CausalLM):
         super().__init__()
         self.config = vllm_config.model_config.text_config
         self.model = MixtralModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        self.init_lm_head(prefix)
+        self.init_lm_head(prefix, vllm_config.quant_config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         mapping = FusedMoE.make_expert_params_mapping("w1", "w2", "w3", self.config.num_local_experts)

@@ -91,7 +91,7 @@ class LlamaModel(DecoderModel):
         sliding_window = getattr(config, "sliding_window", None) if use_sliding_window else None
         quant_config = vllm_config.quant_config
         super().__init__(config, prefix, lambda i: LlamaDecoderLayer(
-            config, maybe_prefix(prefix, f"layers.{i}"), sliding_window, quant_config))
+            config, maybe_prefix(prefix, f"layers.{i}"), sliding_window, quant_config), quant_config=quant_config)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -111,7 +111,7 @@ class LlamaForCausalLM(CausalLM):
             vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"),
             use_sliding_window=self.use_sliding_window,
         )
-        self.init_lm_head(prefix)
+        self.init_lm_head(prefix, vllm_config.quant_config)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -113,7 +113,7 @@ class Qwen2Model(DecoderModel):
         config = vllm_config.model_config.text_config
         quant_config = vllm_config.quant_config
         super().__init__(config, prefix, lambda i: Qwen2DecoderLayer(
-            config, maybe_prefix(prefix, f"layers.{i}"), attn_cls, i, quant_config))
+            config, maybe_prefix(prefix, f"layers.{i}"), attn_cls, i, quant_config), quant_config=quant_config)
 
 
 class Qwen2ForCausalLM(CausalLM):
@@ -129,4 +129,4 @@ class Qwen2ForCausalLM(CausalLM):
         config = vllm_config.model_config.text_config
         self.config = config
         self.model = Qwen2Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"), attn_cls=self.attn_cls)
-        self.init_lm_head(prefix)
+        self.init_lm_head(prefix, vllm_config.quant_config)

@@ -91,7 +91,7 @@ class Qwen3MoeModel(DecoderModel):
         config = vllm_config.model_config.text_config
         quant_config = getattr(vllm_config, "quant_config", None)
         super().__init__(config, prefix, lambda i: Qwen3MoeDecoderLayer(
-            config, maybe_prefix(prefix, f"layers.{i}"), i, quant_config))
+            config, maybe_prefix(prefix, f"layers.{i}"), i, quant_config), quant_config=quant_config)
 
 
 class Qwen3MoeForCausalLM(CausalLM):
@@ -104,7 +104,7 @@ class Qwen3MoeForCausalLM(CausalLM):
         super().__init__()
         self.config = vllm_config.model_config.text_config
         self.model = Qwen3MoeModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        self.init_lm_head(prefix)
+        self.init_lm_head(prefix, vllm_config.quant_config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         mapping = FusedMoE.make_expert_params_mapping("gate_proj", "down_proj", "up_proj", num_experts_of(self.config))

@@ -8,7 +8,8 @@
 
 A method a registered class claims through ``override_quantization_method`` wins (vLLM's rule).
 Both given and disagreeing is an error. Names are the registry's (``pagedlm_register_quantization_methods``):
-core registers ``fp8``, ``compressed-tensors``, ``gptq`` and ``awq``.
+core registers ``fp8``, ``compressed-tensors``, ``gptq``, ``awq`` and ``gguf`` (a ``.gguf`` model's method is
+chosen once the platform is known: :func:`pagedlm.core.layers.quantization.gguf.gguf_quant_config`).
 """
 
 from __future__ import annotations
@@ -98,6 +99,13 @@ def get_quant_config(model_config: ModelConfig, *, dummy: bool = False) -> Quant
     ``quantization_config`` takes the method's ``get_dummy_config()`` (e.g. compressed-tensors
     W4A16, group 128), so published shapes can be benchmarked in a quantized layout without files."""
     user = normalize_method_name(model_config.quantization) if model_config.quantization else None
+    if model_config.is_gguf:
+        # NOTE: a GGUF file's method depends on the platform; VllmConfig.finalize picks it (gguf.py).
+        if user not in (None, "gguf"):
+            raise ValueError(f"quantization={model_config.quantization!r} cannot read the GGUF file "
+                             f"{model_config.model}: its tensors carry their own ggml types; pass "
+                             'quantization="gguf" or leave it unset')
+        return None
     hf_config = model_config.hf_config
     ckpt = hf_quant_config(hf_config, model_config.model if not model_config.is_gguf else None) \
         if hf_config is not None else None

@@ -112,6 +112,14 @@ class QuantizationConfig(ABC):
     built with :meth:`from_config` from the checkpoint's ``quantization_config`` dict.
     """
 
+    #: False for a method whose unclaimed layers are still correct (GGUF: dequantized at load); the
+    #: loader then does not require a model class to hand ``quant_config`` to its linear layers
+    requires_quantized_layers: bool = True
+
+    #: True for a method that also gives token embeddings / LM heads a method (GGUF); the others are
+    #: never asked for those layers (their get_quant_method assumes linear layers)
+    quantizes_embeddings: bool = False
+
     #: fused parameter -> the checkpoint modules stacked in it (an ignore list names the latter)
     packed_modules_mapping: dict[str, list[str]] = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],

@@ -6,7 +6,9 @@ grid covers what the model families pass: Llama/Mistral/Qwen2 hidden sizes, Qwen
 3's per-head norms on strided ``[T, H, D]`` views of the fused qkv output, head sizes 64 to 256,
 partial rotary, neox and GPT-J pairing, bases 1e4 and 1e6 at positions up to 32k; the routed
 experts of MoE layers (``fused_experts``) from one token to a prefill chunk, 4 to 128 experts, top-1
-to top-8, widths that are not powers of two, and another rank's experts (``expert_map``).
+to top-8, widths that are not powers of two, and another rank's experts (``expert_map``); GGUF
+matmuls and row gathers (``gguf_mul_mat``, ``gguf_get_rows``) of every kernel type on random
+blocks, for one and seven rows.
 """
 
 from __future__ import annotations
@@ -164,6 +166,49 @@ def _fused_experts_case(tokens: int, hidden: int, inter: int, experts: int, top_
     return run
 
 
+#: ggml type id -> byte offsets of the float16 scales in one block (kept finite in random blocks)
+_GGUF_HALF_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+
+
+def _gguf_weight(gen: torch.Generator, qtype: int, rows: int, blocks_per_row: int) -> tuple[torch.Tensor, int]:
+    """``(qweight [rows, row_bytes] uint8, K)``: random blocks (every code point) with small finite scales."""
+    from pagedlm.core.layers.quantization.gguf import KERNEL_TYPES
+
+    _, values, size = KERNEL_TYPES[qtype]
+    raw = torch.randint(0, 256, (rows * blocks_per_row, size), generator=gen, dtype=torch.uint8)
+    # NOTE: k-quant block scales multiply 6-bit (8-bit for Q6_K) sub-block scales: smaller, so that
+    # every weight is O(0.1) and float32 sums stay within the absolute tolerance near zero
+    magnitude = 0.01 if values == 32 else 2e-4
+    for start in _GGUF_HALF_FIELDS[qtype]:
+        scales = ((torch.rand(rows * blocks_per_row, generator=gen) * 2 - 1) * magnitude).to(torch.float16)
+        raw[:, start:start + 2] = scales.view(torch.uint8).view(-1, 2)
+    return raw.view(rows, blocks_per_row * size), blocks_per_row * values
+
+
+def _gguf_mul_mat_case(qtype: int, m: int) -> CaseFn:
+    def run(op, device, dtype, gen):
+        from pagedlm.core.layers.quantization.gguf import gguf_mul_mat_reference
+
+        qweight, k = _gguf_weight(gen, qtype, 37, 2)
+        x = _randn(gen, m, k).to(dtype)
+        want = gguf_mul_mat_reference(x.float(), qweight, qtype, 37).to(dtype)
+        return [("out", op(x.to(device), qweight.to(device), qtype, 37), want)]
+
+    return run
+
+
+def _gguf_get_rows_case(qtype: int) -> CaseFn:
+    def run(op, device, dtype, gen):
+        from pagedlm.core.layers.quantization.gguf import gguf_get_rows_reference
+
+        qweight, k = _gguf_weight(gen, qtype, 11, 2)
+        ids = torch.tensor([[10, 0, 3], [3, 7, 1]])
+        want = gguf_get_rows_reference(qweight, qtype, ids, k)
+        return [("rows", op(qweight.to(device), qtype, ids.to(device), k), want)]
+
+    return run
+
+
 def op_cases(*, quick: bool) -> list[OpCase]:
     hidden_sizes = (64, 1024) if quick else (64, 640, 1024, 4096)
     cases = [OpCase("rms_norm", f"hidden={h}", _rms_case(h, False)) for h in hidden_sizes]
@@ -194,6 +239,11 @@ def op_cases(*, quick: bool) -> list[OpCase]:
         moe = [moe[0], moe[1], moe[4]]
     cases += [OpCase("fused_experts", f"T={t} H={h} I={i} E={e} top{k}{' expert_map' if ep else ''}",
                      _fused_experts_case(t, h, i, e, k, ep)) for t, h, i, e, k, ep in moe]
+    from pagedlm.core.layers.quantization.gguf import KERNEL_TYPES
+
+    for qtype, (name, _, _) in KERNEL_TYPES.items():
+        cases += [OpCase("gguf_mul_mat", f"{name} M={m} N=37", _gguf_mul_mat_case(qtype, m)) for m in (1, 7)]
+        cases.append(OpCase("gguf_get_rows", name, _gguf_get_rows_case(qtype)))
     return cases
 
 

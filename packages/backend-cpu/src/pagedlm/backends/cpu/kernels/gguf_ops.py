@@ -1,0 +1,133 @@
+"""The CPU platform's GGUF ops (``gguf_mul_mat``, ``gguf_get_rows``): C kernels built at first use.
+
+``gguf_kernels.c`` is compiled with the system C compiler (``$CC``, else ``gcc``/``cc``) the first
+time a GGUF layer runs, into ``$PAGEDLM_CACHE_ROOT/cpu_kernels/gguf_<hash>.so``; the hash covers the
+source, the compiler flags and the compiler's version, so an edit or another CPU's flags build a new
+file. The build writes a temporary file and renames it into place, so parallel processes (pytest
+workers) never load a half-written library. The library is loaded with ctypes (which releases the
+GIL during the call) and called on the tensors' ``data_ptr()``.
+
+Flags: ``-mavx2 -mfma -mf16c`` when the CPU has them (else the portable scalar code), ``-fopenmp``
+for threads (the loaded libgomp is torch's; see the C file), ``-ffp-contract=off`` (the decode
+rounds like the torch reference). The thread count is torch's (``torch.get_num_threads()``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pagedlm.core import envs
+from pagedlm.core.logger import init_logger
+
+logger = init_logger(__name__)
+
+__all__ = ["gguf_get_rows", "gguf_mul_mat", "kernel_library"]
+
+_SOURCE = Path(__file__).with_name("gguf_kernels.c")
+_BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-std=gnu11")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.cache
+def _simd_flags() -> tuple[str, ...]:
+    have = _cpu_flags()
+    return ("-mavx2", "-mfma", "-mf16c") if {"avx2", "fma", "f16c"} <= have else ()
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC"), "gcc", "cc"):
+        if name and shutil.which(name):
+            return name
+    raise RuntimeError("the CPU GGUF kernels need a C compiler (gcc or cc on PATH, or $CC); none was found")
+
+
+def _build(path: Path, cc: str, flags: tuple[str, ...]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        cmd = [cc, *flags, str(_SOURCE), "-o", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"building the CPU GGUF kernels failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
+        os.replace(tmp, path)  # atomic: a concurrent builder's identical file is replaced whole
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def kernel_library() -> ctypes.CDLL:
+    """The compiled kernels for this CPU (built now if this source/flags/compiler has no cached build)."""
+    return _library(bool(_simd_flags()))
+
+
+@functools.cache
+def _library(simd: bool) -> ctypes.CDLL:
+    """The AVX2 build (``simd``; only where the CPU has it) or the portable scalar one (tests use both)."""
+    cc = _compiler()
+    flags = (*_BASE_FLAGS, *(_simd_flags() if simd else ()))
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join((_SOURCE.read_text(), *flags, version)).encode()).hexdigest()[:16]
+    path = Path(envs.cache_root()) / "cpu_kernels" / f"gguf_{key}.so"
+    if not path.exists():
+        logger.info("building the CPU GGUF kernels (%s) into %s", "AVX2" if simd else "scalar", path)
+        _build(path, cc, flags)
+    lib = ctypes.CDLL(str(path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.pagedlm_gguf_mul_mat.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
+    lib.pagedlm_gguf_mul_mat.restype = ctypes.c_int
+    lib.pagedlm_gguf_get_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.pagedlm_gguf_get_rows.restype = ctypes.c_int
+    lib.pagedlm_gguf_supports.argtypes = [ctypes.c_int]
+    return lib
+
+
+def supported_types() -> frozenset[int]:
+    """ggml type ids these kernels compute on (the others dequantize at load)."""
+    return frozenset({2, 3, 6, 7, 8, 12, 13, 14})
+
+
+def gguf_mul_mat(x: torch.Tensor, qweight: torch.Tensor, qtype: int, out_features: int) -> torch.Tensor:
+    """The ``gguf_mul_mat`` op (contract in pagedlm.core.layers.custom_ops)."""
+    m, k = x.shape
+    xf = x.contiguous() if x.dtype == torch.float32 else x.to(torch.float32).contiguous()
+    if not qweight.is_contiguous():
+        raise ValueError("gguf_mul_mat: qweight must be contiguous")
+    out = torch.empty(m, out_features, dtype=torch.float32)
+    rc = kernel_library().pagedlm_gguf_mul_mat(qtype, qweight.data_ptr(), out_features, k, xf.data_ptr(), m,
+                                               out.data_ptr(), out_features, torch.get_num_threads())
+    if rc:
+        raise ValueError(f"gguf_mul_mat: ggml type {qtype} with K={k} is not supported by the CPU kernels (rc={rc})")
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def gguf_get_rows(qweight: torch.Tensor, qtype: int, ids: torch.Tensor, embedding_dim: int) -> torch.Tensor:
+    """The ``gguf_get_rows`` op (contract in pagedlm.core.layers.custom_ops)."""
+    idx = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(idx.numel(), embedding_dim, dtype=torch.float32)
+    rc = kernel_library().pagedlm_gguf_get_rows(qtype, qweight.data_ptr(), qweight.shape[0], embedding_dim,
+                                                idx.data_ptr(), idx.numel(), out.data_ptr(), torch.get_num_threads())
+    if rc == -3:
+        raise ValueError(f"gguf_get_rows: a token id is outside [0, {qweight.shape[0]})")
+    if rc:
+        raise ValueError(f"gguf_get_rows: ggml type {qtype} with {embedding_dim} values per row is not supported")
+    return out.reshape(*ids.shape, embedding_dim)

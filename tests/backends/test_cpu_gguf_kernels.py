@@ -1,0 +1,82 @@
+"""The CPU GGUF kernels (AVX2 and scalar builds) against core's dequantize-then-matmul, per type."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from pagedlm.backends.cpu.kernels import gguf_ops  # noqa: E402
+from pagedlm.core.layers.quantization.gguf import gguf_mul_mat_reference  # noqa: E402
+from pagedlm.core.model_loader.gguf_dequant import dequantize  # noqa: E402
+
+# byte offsets of the float16 scale fields of one block, which must hold finite values
+_HALF_FIELDS = {
+    "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+    "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+}
+_BUILDS = [pytest.param(True, id="avx2"), pytest.param(False, id="scalar")]
+
+
+def _random_weight(name: str, n: int, blocks_per_row: int, seed: int = 0) -> tuple[torch.Tensor, int, int]:
+    """``(qweight [n, row_bytes] uint8, ggml type id, K)``: random bits (every code point) with finite scales."""
+    qtype = gguf.GGMLQuantizationType[name]
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n * blocks_per_row, type_size), dtype=np.uint8)
+    for start in _HALF_FIELDS[name]:
+        scales = rng.uniform(-0.05, 0.05, size=n * blocks_per_row).astype(np.float16)
+        raw[:, start : start + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return torch.from_numpy(raw.reshape(n, blocks_per_row * type_size)), int(qtype), blocks_per_row * block
+
+
+@pytest.fixture(scope="module", params=_BUILDS)
+def library(request):
+    if request.param and not gguf_ops._simd_flags():
+        pytest.skip("this CPU lacks AVX2/FMA/F16C")
+    return gguf_ops._library(request.param)
+
+
+@pytest.fixture
+def use_library(library, monkeypatch):
+    monkeypatch.setattr(gguf_ops, "kernel_library", lambda: library)
+
+
+@pytest.mark.parametrize("name", sorted(_HALF_FIELDS))
+def test_decoded_rows_equal_the_torch_dequantizer(name, use_library):
+    qweight, qtype, k = _random_weight(name, 11, 3)
+    expected = dequantize(qweight.reshape(-1), qtype, (11, k))
+    ids = torch.tensor([[10, 0, 3], [3, 7, 1]])
+    rows = gguf_ops.gguf_get_rows(qweight, qtype, ids, k)
+    assert rows.shape == (2, 3, k)
+    torch.testing.assert_close(rows, expected[ids], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(_HALF_FIELDS))
+@pytest.mark.parametrize(("m", "n"), [(1, 13), (3, 13), (33, 13), (33, 37)])
+def test_mul_mat_matches_dequantize_then_matmul(name, m, n, use_library):
+    # n: not a multiple of the 4-row groups (decode) nor of the 16-row tiles (batches, from M = 6)
+    qweight, qtype, k = _random_weight(name, n, 2, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    out = gguf_ops.gguf_mul_mat(x, qweight, qtype, n)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    # float32 sums in another order than the reference's: bounded by eps * sum |x * w| per output
+    w = dequantize(qweight.reshape(-1), qtype, (n, k)).double()
+    exact, scale = x.double() @ w.t(), x.double().abs() @ w.abs().t()
+    assert ((out.double() - exact).abs() <= 4e-6 * scale + 1e-30).all()
+    reference = gguf_mul_mat_reference(x, qweight, qtype, n).double()
+    assert ((reference - exact).abs() <= 4e-6 * scale + 1e-30).all()
+    # bfloat16 activations: converted to float32 in, result rounded to bfloat16
+    out16 = gguf_ops.gguf_mul_mat(x.bfloat16(), qweight, qtype, n)
+    assert out16.dtype == torch.bfloat16
+    torch.testing.assert_close(out16, gguf_mul_mat_reference(x.bfloat16().float(), qweight, qtype, n).bfloat16())
+
+
+def test_bad_inputs_are_rejected(use_library):
+    qweight, qtype, k = _random_weight("Q8_0", 4, 1)
+    with pytest.raises(ValueError, match="outside"):
+        gguf_ops.gguf_get_rows(qweight, qtype, torch.tensor([4]), k)
+    with pytest.raises(ValueError, match="not supported"):
+        gguf_ops.gguf_mul_mat(torch.randn(1, k), qweight, 11, 4)  # Q3_K: dequantized at load instead
