@@ -25,6 +25,21 @@ _COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def weight_qparams(w: Any, args: Any) -> tuple[Any, Any]:
+    """compressed-tensors' ``(scale, zero_point)`` of weight ``w [N, K]`` for its quantization
+    ``args``: from the min/max per group, per output channel or over the tensor."""
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    if args.strategy == "group":
+        g = w.reshape(w.shape[0], -1, args.group_size)
+        lo, hi = g.amin(-1), g.amax(-1)
+    elif args.strategy == "channel":
+        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    else:
+        lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+    return calculate_qparams(lo, hi, args)
+
+
 def _copy_side_files(src: Path, out: Path) -> None:
     for name in _COPIED:
         if (src / name).exists():
@@ -96,15 +111,7 @@ def make_compressed_tensors_checkpoint(src: str | os.PathLike[str], out_dir: str
             s = getattr(module, "quantization_scheme", None)
             if s is None:
                 continue
-            w, args = module.weight.data, s.weights
-            if args.strategy == "group":
-                g = w.reshape(w.shape[0], -1, args.group_size)
-                lo, hi = g.amin(-1), g.amax(-1)
-            elif args.strategy == "channel":
-                lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-            else:
-                lo, hi = w.amin().reshape(1), w.amax().reshape(1)
-            scale, zero_point = calculate_qparams(lo, hi, args)
+            scale, zero_point = weight_qparams(module.weight.data, s.weights)
             module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
             if hasattr(module, "weight_zero_point"):
                 module.weight_zero_point.data.copy_(zero_point.reshape(module.weight_zero_point.shape))

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pagedlm.core.testing.quantized import _copy_side_files
+from pagedlm.core.testing.quantized import _copy_side_files, weight_qparams
 
 __all__ = ["ALL_PROJECTIONS", "EXPERT_TARGET", "make_quantized_experts_checkpoint"]
 
@@ -39,19 +39,6 @@ def _scheme(preset: str, group_size: int | None, strategy: str | None, target: s
     if group_size is not None and scheme.weights.strategy == "group":
         scheme.weights.group_size = group_size
     return scheme
-
-
-def _qparams(w: Any, args: Any) -> tuple[Any, Any]:
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams
-
-    if args.strategy == "group":
-        g = w.reshape(w.shape[0], -1, args.group_size)
-        lo, hi = g.amin(-1), g.amax(-1)
-    elif args.strategy == "channel":
-        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-    else:
-        lo, hi = w.amin().reshape(1), w.amax().reshape(1)
-    return calculate_qparams(lo, hi, args)
 
 
 def make_quantized_experts_checkpoint(src: str, out_dir: str | Path, preset: str, *, group_size: int | None = None,
@@ -84,7 +71,7 @@ def make_quantized_experts_checkpoint(src: str, out_dir: str | Path, preset: str
             quantized[name] = dequantized[name] = tensor
             continue
         w = tensor.float()
-        scale, zero_point = _qparams(w, scheme.weights)
+        scale, zero_point = weight_qparams(w, scheme.weights)
         local = {"weight": w, "weight_scale": scale.to(tensor.dtype), "weight_zero_point": zero_point}
         packed = {k: v for k, v in compressor.compress(local, scheme).items() if v is not None}
         for key, value in packed.items():
