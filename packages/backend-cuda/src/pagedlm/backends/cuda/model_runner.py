@@ -365,6 +365,8 @@ class CudaModelRunner(ModelRunner):
         copy out of it has completed (its event)."""
         if self.device.type != "cuda":
             return super().stage_to_device(array)
+        if array.flags.c_contiguous and torch.from_numpy(array).is_pinned():
+            return torch.from_numpy(array).to(self.device, non_blocking=True)  # (its owner keeps it until used)
         k = self._num_array_stagings % 2
         self._num_array_stagings += 1
         buf = self._array_staging[k]
@@ -440,6 +442,7 @@ class CudaModelRunner(ModelRunner):
         cache per layer (nothing is launched on it) because the real one does not exist yet.
         """
         from pagedlm.backends.cuda.kernels.launch import compile_only
+        from pagedlm.backends.cuda.kernels.bitmask import apply_token_bitmask
         from pagedlm.backends.cuda.kernels.sampling import gumbel_sample
 
         assert self.model is not None
@@ -456,8 +459,12 @@ class CudaModelRunner(ModelRunner):
                 if hidden is not None:  # the (last) stage that samples
                     logits = self.model.compute_logits(hidden)  # type: ignore[operator]
                     temperature = torch.ones(n, dtype=torch.float32, device=self.device)
+                    words = torch.zeros((n, -(-logits.shape[-1] // 32)), dtype=torch.int32, device=self.device)
+                    rows = torch.arange(n, dtype=torch.int32, device=self.device)
                     for dtype in {logits.dtype, torch.float32}:
                         gumbel_sample(logits.to(dtype), temperature, 0, 0)
+                        for logit_rows in (None, rows):  # structured outputs' bitmask, in step order or not
+                            apply_token_bitmask(logits.to(dtype), words, logit_rows)
                 self._compile_attention_variants()
         finally:
             for name, layer in self.attention_layers.items():

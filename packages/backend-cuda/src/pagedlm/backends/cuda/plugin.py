@@ -49,6 +49,7 @@ def pagedlm_register_ops(register: Callable[..., None]) -> None:
     for op in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "qk_norm_rotary_embedding", "silu_and_mul"):
         register(op, "cuda", f"{_LAYER_OPS}:{op}")
     register("gumbel_sample", "cuda", "pagedlm.backends.cuda.kernels.sampling:gumbel_sample")
+    register("apply_token_bitmask", "cuda", "pagedlm.backends.cuda.kernels.bitmask:apply_token_bitmask")
     # Quantized GEMMs (kernels/quant_gemm.py): Triton W4A16/W8A16, torch._scaled_mm FP8, torch._int_mm INT8.
     for op in ("wna16_gemm", "fp8_scaled_mm", "int8_scaled_mm"):
         register(op, "cuda", f"pagedlm.backends.cuda.kernels.quant_gemm:{op}")

@@ -73,7 +73,8 @@ class EngineCore:
             kv_load_failure_policy=(vllm_config.kv_transfer_config.kv_load_failure_policy
                                     if vllm_config.kv_transfer_config is not None else "recompute"),
             encoder_cache=make_encoder_cache_manager(vllm_config),
-            structured_output_manager=StructuredOutputManager(vllm_config),
+            structured_output_manager=StructuredOutputManager(vllm_config,
+                                                              pinned_bitmasks=self.executor.in_process_workers),
             speculative_config=vllm_config.speculative_config,
             policy=sc.policy,
         )

@@ -72,6 +72,9 @@ class Executor(ABC):
     #: whether a step can go out before its grammar bitmask (``pending_structured_output_tokens``
     #: and :meth:`sample_tokens`): executors whose workers share the engine core's process
     supports_deferred_sampling: bool = False
+    #: the workers run in this process: host arrays in a SchedulerOutput reach them as they are
+    #: (not serialised), so page-locked ones are copied to the device without staging
+    in_process_workers: bool = False
 
     def sample_tokens(self, grammar_output: GrammarOutput | None,
                       non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:

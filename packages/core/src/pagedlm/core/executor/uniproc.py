@@ -13,6 +13,8 @@ from pagedlm.core.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
+    in_process_workers = True
+
     def _init_executor(self) -> None:
         self.worker = Worker(self.vllm_config, local_rank=0, rank=0)
         self.worker.init_device()

@@ -61,6 +61,13 @@ OP_CONTRACTS: Mapping[str, str] = MappingProxyType({
         "offset) alone (equal ints, equal draws; no host sync); rows with temperature below 1e-5 "
         "get the argmax (lowest index wins ties, as torch.argmax). logits are not modified."
     ),
+    "apply_token_bitmask": (
+        "fn(logits [S, V] any float dtype, bitmask [R, W] int32 (32 * W >= V, on logits' device), logit_rows "
+        "[R] int32 on logits' device | None) -> None: in place, logits[logit_rows[r], t] = -inf for every token t "
+        "< V whose bit t % 32 of bitmask[r, t // 32] is clear; a row r with logit_rows[r] < 0 is skipped (logit_rows "
+        "None: row r of logits is row r of the bitmask, R == S); the other entries and rows are unchanged. No host synchronisation (API 1.5; reference: "
+        "pagedlm.core.structured_output.bitmask.apply_token_bitmask_reference)."
+    ),
     # Quantized GEMMs (pagedlm.core.layers.quantization; references in its utils module).
     "wna16_gemm": (
         "fn(x [T, K] float16/bfloat16/float32, qweight [K // (32 // bits), N] int32, scales [K // G, N] "

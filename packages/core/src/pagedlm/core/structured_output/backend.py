@@ -27,7 +27,8 @@ class StructuredOutputGrammar(ABC):
     @abstractmethod
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` (``int32 [W]``: bit ``t % 32`` of word
-        ``t // 32`` is set when token ``t`` is allowed)."""
+        ``t // 32`` is set when token ``t`` is allowed), every word of it: the row may hold an
+        earlier step's mask."""
 
     @abstractmethod
     def is_terminated(self) -> bool:

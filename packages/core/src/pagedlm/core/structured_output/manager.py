@@ -51,6 +51,8 @@ logger = init_logger(__name__)
 _CACHE_SIZE = 512
 #: how long ``take_ready`` waits for a compilation when nothing else can run
 _IDLE_WAIT_S = 0.005
+#: bitmask buffers used in turn (see ``_bitmask_rows``)
+_NUM_BITMASK_BUFFERS = 3
 
 
 def resolve_backend_class(name: str) -> type[StructuredOutputBackend]:
@@ -85,8 +87,11 @@ class _RequestGrammar:
 
 
 class StructuredOutputManager:
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, pinned_bitmasks: bool = False) -> None:
+        """``pinned_bitmasks``: the bitmasks go to workers in this process (page-locked buffers
+        where the platform uses them)."""
         self.vllm_config = vllm_config
+        self._pinned_bitmasks = pinned_bitmasks
         self.config = vllm_config.structured_outputs_config
         self._backend: StructuredOutputBackend | None = None
         self._reasoner: Any = None
@@ -97,6 +102,8 @@ class StructuredOutputManager:
         self._requests: dict[str, _RequestGrammar] = {}
         #: requests whose grammar is compiling, in arrival order
         self._held: list[Request] = []
+        self._bitmask_buffers: list[np.ndarray] = []
+        self._num_bitmasks = 0
         #: host seconds spent filling bitmasks, and the steps that filled any (``pagedlm bench``)
         self.fill_seconds = 0.0
         self.num_fill_steps = 0
@@ -233,13 +240,40 @@ class StructuredOutputManager:
             grammars.append(state.grammar)
         if not grammars:
             return {}, None
-        backend = self._backend
-        assert backend is not None
-        bitmask = backend.allocate_bitmask(len(grammars))
-        backend.fill_bitmasks(grammars, bitmask)
+        bitmask = self._bitmask_rows(len(grammars))
+        self._backend.fill_bitmasks(grammars, bitmask)  # type: ignore[union-attr]
         self.fill_seconds += time.perf_counter() - start
         self.num_fill_steps += 1
         return rows, bitmask
+
+    def _bitmask_rows(self, num_rows: int) -> np.ndarray:
+        """``num_rows`` rows of the next of a few persistent bitmask buffers: no fresh 20 KB a
+        row to fault in every step, and, page-locked, the runner copies them to the device
+        without staging them.
+
+        NOTE: a buffer is filled again only after its step's output has come back (a step's
+        rows are filled once the batch in flight has been taken back), so the copy out of it
+        has completed by then.
+        """
+        backend = self._backend
+        assert backend is not None
+        capacity = self.vllm_config.scheduler_config.max_num_seqs
+        if num_rows > capacity:
+            return backend.allocate_bitmask(num_rows)
+        if not self._bitmask_buffers:
+            from pagedlm.core.platforms import current_platform
+
+            for _ in range(_NUM_BITMASK_BUFFERS):
+                rows = backend.allocate_bitmask(capacity)
+                if self._pinned_bitmasks and current_platform.is_pin_memory_available():
+                    import torch
+
+                    pinned = torch.empty(rows.shape, dtype=torch.int32, pin_memory=True)
+                    rows = pinned.numpy()
+                self._bitmask_buffers.append(rows)
+        buffer = self._bitmask_buffers[self._num_bitmasks % _NUM_BITMASK_BUFFERS]
+        self._num_bitmasks += 1
+        return buffer[:num_rows]
 
     def accept_tokens(self, request: Request, token_ids: list[int]) -> str | None:
         """Advance the request's matcher; returns None, ``"stop"`` (its grammar has ended) or

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from typing import Any
 
 import numpy as np
@@ -12,8 +13,12 @@ from pagedlm.core.structured_output.backend import StructuredOutputBackend, Stru
 from pagedlm.core.structured_output.params import StructuredOutputsParams
 from pagedlm.core.utils.cores import usable_cores
 
-#: below this many rows one thread fills the bitmask faster than a batch spread over threads
-_BATCH_FILL_MIN_ROWS = 16
+#: host seconds of fill work worth one more of xgrammar's threads. NOTE: measured on an H200's
+#: host, a cheap grammar (an int array: ~2.5 us a row) fills 256 rows in ~0.6 ms on one thread
+#: and in ~2 ms on 16 (the threads' start-up outweighs the work); expensive rows do scale.
+_FILL_SECONDS_PER_THREAD = 0.5e-3
+#: every this many fills on several threads, one runs on a single thread to measure the rows again
+_FILL_REMEASURE_EVERY = 64
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; users need only the reason.
 _CPP_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
 
@@ -130,15 +135,19 @@ def _structural_tag_args(xgr: Any, spec: str) -> tuple[Any, ...]:
 class XgrammarGrammar(StructuredOutputGrammar):
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
+        self._terminated = matcher.is_terminated()
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
-        return all(self.matcher.accept_token(token_id) for token_id in token_ids)
+        matcher = self.matcher
+        accepted = all(matcher.accept_token(token_id) for token_id in token_ids)
+        self._terminated = matcher.is_terminated()
+        return accepted
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def is_terminated(self) -> bool:
-        return self.matcher.is_terminated()
+        return self._terminated  # NOTE: only accept_tokens moves the matcher
 
 
 class XgrammarBackend(StructuredOutputBackend):
@@ -150,7 +159,11 @@ class XgrammarBackend(StructuredOutputBackend):
         eos = sorted(vllm_config.model_config.eos_token_ids) if vllm_config.model_config.hf_config else None
         info = _tokenizer_info(xgr, tokenizer, vocab_size, eos or None)
         self.compiler = xgr.GrammarCompiler(info, max_threads=2)
-        self._batch_matcher: Any = None
+        #: thread count -> xgrammar's BatchGrammarMatcher with that many threads
+        self._batch_matchers: dict[int, Any] = {}
+        #: the host seconds a bitmask row takes on one thread (a moving average of such fills)
+        self._fill_seconds_per_row = 0.0
+        self._num_threaded_fills = 0
         soc = vllm_config.structured_outputs_config
         self._any_whitespace_default = not soc.disable_any_whitespace
 
@@ -201,12 +214,20 @@ class XgrammarBackend(StructuredOutputBackend):
         return XgrammarGrammar(xgr.GrammarMatcher(compiled, terminate_without_stop_token=True))
 
     def fill_bitmasks(self, grammars: list[StructuredOutputGrammar], bitmask: np.ndarray) -> None:
-        if len(grammars) < _BATCH_FILL_MIN_ROWS:
-            super().fill_bitmasks(grammars, bitmask)
-            return
-        if self._batch_matcher is None:
-            # every core: the engine core's thread waits for the fill, the device runs the forward
-            self._batch_matcher = self._xgr.BatchGrammarMatcher(max_threads=usable_cores())
-        # NOTE: xgrammar fills the rows on its own threads, without the GIL
-        self._batch_matcher.batch_fill_next_token_bitmask(
-            [g.matcher for g in grammars], bitmask)  # type: ignore[attr-defined]
+        """One batched call (no Python per row), on as many threads as the rows' cost on one
+        thread justifies; that cost is measured by the single-thread fills."""
+        rows = len(grammars)
+        threads = max(1, min(usable_cores(), int(rows * self._fill_seconds_per_row / _FILL_SECONDS_PER_THREAD)))
+        if threads > 1:
+            self._num_threaded_fills += 1
+            if self._num_threaded_fills % _FILL_REMEASURE_EVERY == 0:
+                threads = 1
+        matcher = self._batch_matchers.get(threads)
+        if matcher is None:
+            matcher = self._batch_matchers[threads] = self._xgr.BatchGrammarMatcher(max_threads=threads)
+        start = time.perf_counter()
+        matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)  # type: ignore[attr-defined]
+        if threads == 1:
+            per_row = (time.perf_counter() - start) / rows
+            self._fill_seconds_per_row = per_row if not self._fill_seconds_per_row else \
+                0.8 * self._fill_seconds_per_row + 0.2 * per_row

@@ -336,7 +336,7 @@ class ModelRunner:
         if grammar_output is not None and grammar_output.grammar_bitmask is not None:
             apply_grammar_bitmask(pending.logits, [s.req_id for s in pending.sample_states],
                                   grammar_output.structured_output_request_ids, grammar_output.grammar_bitmask,
-                                  to_device=self.stage_to_device)
+                                  to_device=self.stage_to_device, op=self.layer_ops.get("apply_token_bitmask"))
         return self._sample(pending, non_block)
 
     def _execute(self, sched: SchedulerOutput, non_block: bool) -> Any:
@@ -387,7 +387,8 @@ class ModelRunner:
             return deferred  # NOTE: the forward is queued; sample_tokens applies the bitmask
         if sched.grammar_bitmask is not None:
             apply_grammar_bitmask(logits, [s.req_id for s in sample_states], sched.structured_output_request_ids,
-                                  sched.grammar_bitmask, to_device=self.stage_to_device)
+                                  sched.grammar_bitmask, to_device=self.stage_to_device,
+                                  op=self.layer_ops.get("apply_token_bitmask"))
         return self._sample(deferred, non_block)
 
     def _sample(self, d: _DeferredSample, non_block: bool) -> ModelRunnerOutput | AsyncModelRunnerOutput:
