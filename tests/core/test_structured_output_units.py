@@ -79,3 +79,45 @@ def test_bounded_strings_become_plain_character_patterns():
     for text, ok in [("ab", True), ("a\U0001f642cd", True), ("a", False), ("abcde", False), ('a"b', False),
                      ("a\\b", False), ("a\x16", False), ("a\ud800", False)]:
         assert bool(re.fullmatch(pattern, text)) is ok, text
+
+
+def test_xgrammar_fill_uses_threads_only_for_costly_rows(tmp_path, monkeypatch):
+    """The batched fill gives each row the matcher's own mask; cheap rows stay on one thread, rows
+    measured as costly spread over threads, and a threaded run re-measures on one thread now and
+    then."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from pagedlm.core.structured_output import xgrammar_backend as xb
+    from pagedlm.core.testing.tokenizer import build_bpe_tokenizer
+
+    build_bpe_tokenizer(tmp_path, vocab_size=400)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    config = SimpleNamespace(model_config=SimpleNamespace(eos_token_ids=[2], hf_config=object()),
+                             structured_outputs_config=SimpleNamespace(disable_any_whitespace=False))
+    backend = xb.XgrammarBackend(vllm_config=config, tokenizer=tokenizer, vocab_size=400)
+    compiled = backend.compile(StructuredOutputsParams(regex="[0-9]{2}(ab|cd)"))
+    grammars = [backend.new_grammar(compiled, [2]) for _ in range(40)]
+    digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
+    for i, g in enumerate(grammars[:20]):  # half of them one digit further
+        assert g.accept_tokens([digits[i % 10]])
+    expected = backend.allocate_bitmask(40)
+    for row, g in enumerate(grammars):
+        g.matcher.fill_next_token_bitmask(expected, row)
+    assert not np.array_equal(expected[0], expected[39])
+
+    got = np.zeros_like(expected)
+    backend.fill_bitmasks(grammars, got)
+    assert np.array_equal(got, expected)
+    assert set(backend._batch_matchers) == {1} and backend._fill_seconds_per_row > 0
+
+    monkeypatch.setattr(xb, "usable_cores", lambda: 4)
+    backend._fill_seconds_per_row = 1.0  # as if every row took a second on one thread
+    got[:] = 0
+    backend.fill_bitmasks(grammars, got)
+    assert np.array_equal(got, expected) and set(backend._batch_matchers) == {1, 4}
+    for _ in range(xb._FILL_REMEASURE_EVERY - 1):
+        backend.fill_bitmasks(grammars, got)
+    # the 64th threaded fill ran on one thread: the cost is measured again (and is small)
+    assert backend._fill_seconds_per_row < 1.0

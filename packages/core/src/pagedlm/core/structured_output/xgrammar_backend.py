@@ -19,6 +19,8 @@ from pagedlm.core.utils.cores import usable_cores
 _FILL_SECONDS_PER_THREAD = 0.5e-3
 #: every this many fills on several threads, one runs on a single thread to measure the rows again
 _FILL_REMEASURE_EVERY = 64
+#: fills of fewer rows say little of a row's cost (the call's own overhead dominates them)
+_FILL_MEASURE_MIN_ROWS = 32
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; users need only the reason.
 _CPP_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
 
@@ -227,7 +229,7 @@ class XgrammarBackend(StructuredOutputBackend):
             matcher = self._batch_matchers[threads] = self._xgr.BatchGrammarMatcher(max_threads=threads)
         start = time.perf_counter()
         matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)  # type: ignore[attr-defined]
-        if threads == 1:
+        if threads == 1 and rows >= _FILL_MEASURE_MIN_ROWS:
             per_row = (time.perf_counter() - start) / rows
             self._fill_seconds_per_row = per_row if not self._fill_seconds_per_row else \
                 0.8 * self._fill_seconds_per_row + 0.2 * per_row
