@@ -14,9 +14,10 @@ from pagedlm.core.structured_output.params import StructuredOutputsParams
 from pagedlm.core.utils.cores import usable_cores
 
 #: host seconds of fill work worth one more of xgrammar's threads. NOTE: measured on an H200's
-#: host, a cheap grammar (an int array: ~2.5 us a row) fills 256 rows in ~0.6 ms on one thread
-#: and in ~2 ms on 16 (the threads' start-up outweighs the work); expensive rows do scale.
-_FILL_SECONDS_PER_THREAD = 0.5e-3
+#: host (2026-12-01), 256 rows of an int-array grammar (~4.9 us a
+#: row on one thread) fill in 1.25 ms on 1 thread, 0.92 on 2, 0.72 on 4, 1.04 on 8 and 1.75 on
+#: 16: past ~0.3 ms of work a thread, the threads' start-up outweighs what they share.
+_FILL_SECONDS_PER_THREAD = 0.3e-3
 #: every this many fills on several threads, one runs on a single thread to measure the rows again
 _FILL_REMEASURE_EVERY = 64
 #: fills of fewer rows say little of a row's cost (the call's own overhead dominates them)
