@@ -121,3 +121,22 @@ def test_xgrammar_fill_uses_threads_only_for_costly_rows(tmp_path, monkeypatch):
         backend.fill_bitmasks(grammars, got)
     # the 64th threaded fill ran on one thread: the cost is measured again (and is small)
     assert backend._fill_seconds_per_row < 1.0
+
+
+def test_bitmask_rows_come_from_three_buffers_in_turn():
+    """Each step's rows are a view of the next of three persistent buffers (a buffer is refilled
+    only three steps later); more rows than max_num_seqs get a buffer of their own."""
+    from types import SimpleNamespace
+
+    from pagedlm.core.structured_output.manager import StructuredOutputManager
+
+    config = SimpleNamespace(structured_outputs_config=SimpleNamespace(),
+                             scheduler_config=SimpleNamespace(max_num_seqs=8))
+    manager = StructuredOutputManager(config)  # type: ignore[arg-type]
+    manager._backend = SimpleNamespace(allocate_bitmask=lambda n: np.full((n, 3), -1, dtype=np.int32))
+    views = [manager._bitmask_rows(5) for _ in range(4)]
+    assert all(v.shape == (5, 3) for v in views)
+    assert np.shares_memory(views[0], views[3])
+    assert not any(np.shares_memory(views[i], views[j]) for i, j in ((0, 1), (0, 2), (1, 2)))
+    big = manager._bitmask_rows(9)
+    assert big.shape == (9, 3) and not any(np.shares_memory(big, v) for v in views)
