@@ -142,7 +142,10 @@ class XgrammarGrammar(StructuredOutputGrammar):
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
         matcher = self.matcher
-        accepted = all(matcher.accept_token(token_id) for token_id in token_ids)
+        if len(token_ids) == 1:  # a decode step's token: no generator per request
+            accepted = matcher.accept_token(token_ids[0])
+        else:
+            accepted = all(matcher.accept_token(token_id) for token_id in token_ids)
         self._terminated = matcher.is_terminated()
         return accepted
 
