@@ -293,10 +293,10 @@ def main() -> int:
                   f"({100 * cpu_s / result['duration_s']:.0f}% of a core): {1000 * cpu_s / max(1, chunks):.3f} ms per "
                   f"chunk, {1000 * cpu_s / max(1, tokens):.3f} ms per token; the client: {client_cpu_s:.2f} s CPU")
             print(f"  output tokens/s: {result['output_throughput']:,.0f} served vs {offline_tps:,.0f} offline "
-                  f"({100 * result['output_throughput'] / offline_tps:.1f}%, {1000 * adm['step_interval_s']:.2f} ms per step); "
-                  f"TTFT median "
-                  f"{result['median_ttft_ms']:.0f} ms, TPOT median {result['median_tpot_ms']:.2f} ms, ITL median "
-                  f"{result['median_itl_ms']:.2f} / p99 {result['p99_itl_ms']:.2f} ms")
+                  f"({100 * result['output_throughput'] / offline_tps:.1f}%, {1000 * adm['step_interval_s']:.2f} ms "
+                  f"per step); TTFT median {result['median_ttft_ms']:.0f} ms, TPOT median "
+                  f"{result['median_tpot_ms']:.2f} ms, ITL median {result['median_itl_ms']:.2f} / p99 "
+                  f"{result['p99_itl_ms']:.2f} ms")
         if args.profile:
             import pstats
 
