@@ -144,13 +144,11 @@ class StubEngineCore:
 
     def _write_stats(self) -> None:
         if self.stats_path:
-            record = {"first_add": self.add_times[0], "last_add": self.add_times[-1], "num_adds": len(self.add_times),
-                      "steps_before_last_add": self.steps_before_last_add, "num_steps": self.num_steps,
-                      # the real loop's time per step (the stub's --step-ms plus EngineCoreProc's own work)
-                      "step_interval_s": (self.last_step - (self.first_step or 0.0)) / max(1, self.num_steps - 1)}
-            with open(self.stats_path + ".tmp", "w", encoding="utf-8") as f:
-                json.dump(record, f)
-            os.replace(self.stats_path + ".tmp", self.stats_path)
+            _write_json(self.stats_path, {
+                "first_add": self.add_times[0], "last_add": self.add_times[-1], "num_adds": len(self.add_times),
+                "steps_before_last_add": self.steps_before_last_add, "num_steps": self.num_steps,
+                # the real loop's time per step (the stub's --step-ms plus EngineCoreProc's own work)
+                "step_interval_s": (self.last_step - (self.first_step or 0.0)) / max(1, self.num_steps - 1)})
         self._reset()
 
     def shutdown(self) -> None:
@@ -167,8 +165,11 @@ def _stub_core_main(vllm_config: Any, input_addr: str, output_addr: str) -> None
 
 
 def _server_main(serve_argv: list[str]) -> int:
-    """``pagedlm serve`` with the stub core; SIGUSR1/SIGUSR2 start/stop cProfile of the loop thread."""
+    """``pagedlm serve`` with the stub core. SIGUSR1 starts a load: the garbage collector's pauses
+    are recorded (and cProfile runs on the loop thread with ``--profile``); SIGUSR2 ends it and
+    writes them (``<stats>.gc``, the profile)."""
     import cProfile
+    import gc
 
     import pagedlm.core.engine.core_proc as core_proc
     from pagedlm.core.cli import main
@@ -176,17 +177,41 @@ def _server_main(serve_argv: list[str]) -> int:
     core_proc.run_engine_core = _stub_core_main  # type: ignore[assignment]
     if os.environ.get(_PLAIN_ENV):
         sys.modules["uvloop"] = sys.modules["httptools"] = None  # type: ignore[assignment]  # ImportError
+    profile_path = os.environ.get(_PROFILE_ENV)
     profiler = cProfile.Profile()
-    signal.signal(signal.SIGUSR1, lambda *_: profiler.enable())
+    pauses: list[float] = []
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append(time.perf_counter() - started[0])
+
+    def start(*_: Any) -> None:
+        pauses.clear()
+        gc.callbacks.append(on_gc)
+        if profile_path:
+            profiler.enable()
 
     def stop(*_: Any) -> None:
-        profiler.disable()
-        path = os.environ[_PROFILE_ENV]
-        profiler.dump_stats(path + ".tmp")
-        os.replace(path + ".tmp", path)  # whole, for the reader polling for it
+        gc.callbacks.remove(on_gc)
+        if profile_path:
+            profiler.disable()
+            profiler.dump_stats(profile_path + ".tmp")
+            os.replace(profile_path + ".tmp", profile_path)  # whole, for the reader polling for it
+        _write_json(os.environ[_STATS_ENV] + ".gc", {"count": len(pauses), "total_s": sum(pauses),
+                                                      "max_s": max(pauses, default=0.0)})
 
+    signal.signal(signal.SIGUSR1, start)
     signal.signal(signal.SIGUSR2, stop)
     return main(["serve", *serve_argv])
+
+
+def _write_json(path: str, record: dict[str, Any]) -> None:
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)  # whole, for the reader polling for it
 
 
 # -- the load (this process) ----------------------------------------------------------------------------
@@ -233,7 +258,8 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=None, help="the first N nano requests (default all 256)")
     p.add_argument("--repeat", type=int, default=1, help="loads in a row against the same server")
     p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="print cProfile's N most expensive functions of the API process (last load)")
+                   help="profile the API process's loop thread; print cProfile's N most expensive functions of the "
+                        "last load")
     p.add_argument("--plain-asyncio", action="store_true",
                    help="serve as if uvloop and httptools were not installed (asyncio's loop, uvicorn's h11)")
     p.add_argument("--profile-out", default=None, metavar="FILE", help="keep the cProfile stats (pstats) here")
@@ -256,7 +282,8 @@ def main() -> int:
     serve_argv = ["--model", model_dir, "--load-format", "dummy", "--skip-tokenizer-init", "--max-model-len", "2048",
                   "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(budget),
                   "--host", "127.0.0.1", "--port", str(port), *shlex.split(args.serve_args)]
-    env = {**os.environ, _STATS_ENV: stats_path, _STEP_ENV: str(args.step_ms), _PROFILE_ENV: profile_path,
+    env = {**os.environ, _STATS_ENV: stats_path, _STEP_ENV: str(args.step_ms),
+           **({_PROFILE_ENV: profile_path} if args.profile else {}),
            **({_PLAIN_ENV: "1"} if args.plain_asyncio else {})}
     server = subprocess.Popen([sys.executable, os.path.abspath(__file__), "_server", *serve_argv], env=env)
     try:
@@ -271,16 +298,13 @@ def main() -> int:
         asyncio.run(_bench(_bench_args(1), nano_workload(num_prompts=1), base_url, {}))
         _wait_stats(stats_path)
         for run in range(args.repeat):
-            profiling = args.profile and run == args.repeat - 1
-            if profiling:
-                server.send_signal(signal.SIGUSR1)
-                time.sleep(0.2)
+            server.send_signal(signal.SIGUSR1)
+            time.sleep(0.2)
             cpu0, client_cpu0, t0 = _cpu_s(server.pid), time.process_time(), time.monotonic()
             result = asyncio.run(_bench(_bench_args(workload.num_requests), workload, base_url, {}))
             cpu_s, client_cpu_s = _cpu_s(server.pid) - cpu0, time.process_time() - client_cpu0
-            if profiling:
-                server.send_signal(signal.SIGUSR2)
-            adm = _wait_stats(stats_path)
+            server.send_signal(signal.SIGUSR2)
+            adm, gc_pauses = _wait_stats(stats_path), _wait_stats(stats_path + ".gc")
             # offline: every request queued before step 1, at the step time the core loop really took
             offline_tps = sum(workload.output_lens) / (offline_steps * adm["step_interval_s"])
             chunks, tokens = result["streamed_chunks"], result["total_output_tokens"]
@@ -292,6 +316,8 @@ def main() -> int:
             print(f"  API process: {cpu_s:.2f} s CPU in {result['duration_s']:.2f} s "
                   f"({100 * cpu_s / result['duration_s']:.0f}% of a core): {1000 * cpu_s / max(1, chunks):.3f} ms per "
                   f"chunk, {1000 * cpu_s / max(1, tokens):.3f} ms per token; the client: {client_cpu_s:.2f} s CPU")
+            print(f"  API process's garbage collections: {gc_pauses['count']}, {1000 * gc_pauses['total_s']:.0f} ms in "
+                  f"all, the longest {1000 * gc_pauses['max_s']:.1f} ms")
             print(f"  output tokens/s: {result['output_throughput']:,.0f} served vs {offline_tps:,.0f} offline "
                   f"({100 * result['output_throughput'] / offline_tps:.1f}%, {1000 * adm['step_interval_s']:.2f} ms "
                   f"per step); TTFT median {result['median_ttft_ms']:.0f} ms, TPOT median "
