@@ -179,17 +179,18 @@ def _server_main(serve_argv: list[str]) -> int:
         sys.modules["uvloop"] = sys.modules["httptools"] = None  # type: ignore[assignment]  # ImportError
     profile_path = os.environ.get(_PROFILE_ENV)
     profiler = cProfile.Profile()
-    pauses: list[float] = []
+    pauses: list[tuple[int, float]] = []  # (generation, seconds)
     started = [0.0]
 
     def on_gc(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             started[0] = time.perf_counter()
         else:
-            pauses.append(time.perf_counter() - started[0])
+            pauses.append((info["generation"], time.perf_counter() - started[0]))
 
     def start(*_: Any) -> None:
         pauses.clear()
+        arrivals.clear()
         gc.callbacks.append(on_gc)
         if profile_path:
             profiler.enable()
@@ -200,9 +201,29 @@ def _server_main(serve_argv: list[str]) -> int:
             profiler.disable()
             profiler.dump_stats(profile_path + ".tmp")
             os.replace(profile_path + ".tmp", profile_path)  # whole, for the reader polling for it
-        _write_json(os.environ[_STATS_ENV] + ".gc", {"count": len(pauses), "total_s": sum(pauses),
-                                                      "max_s": max(pauses, default=0.0)})
+        _write_json(os.environ[_STATS_ENV] + ".gc", {
+            "count": len(pauses), "total_s": sum(p for _, p in pauses),
+            "max_s": [max((p for g, p in pauses if g == gen), default=0.0) for gen in range(3)],
+            "full": sum(1 for g, _ in pauses if g == 2), "tracked": len(gc.get_objects()),
+            "frozen": gc.get_freeze_count(), "first_arrival": min(arrivals, default=0.0),
+            "last_arrival": max(arrivals, default=0.0)})
 
+    import pagedlm.server.launcher as launcher
+
+    arrivals: list[float] = []  # when each POST /v1/completions reached the app (monotonic)
+    build_app = launcher.build_app
+
+    def timed_app(state: Any) -> Any:
+        app = build_app(state)
+
+        async def timed(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "http" and scope["path"] == "/v1/completions":
+                arrivals.append(time.monotonic())
+            await app(scope, receive, send)
+
+        return timed
+
+    launcher.build_app = timed_app  # type: ignore[assignment]
     signal.signal(signal.SIGUSR1, start)
     signal.signal(signal.SIGUSR2, stop)
     return main(["serve", *serve_argv])
@@ -311,13 +332,17 @@ def main() -> int:
             print(f"run {run + 1}: {result['completed']}/{workload.num_requests} completed, {result['errors']} errors, "
                   f"{tokens} output tokens in {chunks} chunks ({result['tokens_per_chunk']:.2f} tokens/chunk)")
             print(f"  admission: {1000 * (adm['last_add'] - t0):.0f} ms from the first POST to the last request in "
-                  f"the core ({1000 * (adm['last_add'] - adm['first_add']):.0f} ms first to last add); "
+                  f"the core ({1000 * (adm['last_add'] - adm['first_add']):.0f} ms first to last add; the POSTs "
+                  f"reached the app {1000 * (gc_pauses['first_arrival'] - t0):.0f} to "
+                  f"{1000 * (gc_pauses['last_arrival'] - t0):.0f} ms after the start); "
                   f"{adm['steps_before_last_add']} of {adm['num_steps']} steps ran before it")
             print(f"  API process: {cpu_s:.2f} s CPU in {result['duration_s']:.2f} s "
                   f"({100 * cpu_s / result['duration_s']:.0f}% of a core): {1000 * cpu_s / max(1, chunks):.3f} ms per "
                   f"chunk, {1000 * cpu_s / max(1, tokens):.3f} ms per token; the client: {client_cpu_s:.2f} s CPU")
-            print(f"  API process's garbage collections: {gc_pauses['count']}, {1000 * gc_pauses['total_s']:.0f} ms in "
-                  f"all, the longest {1000 * gc_pauses['max_s']:.1f} ms")
+            longest = ", ".join(f"{1000 * s:.1f}" for s in gc_pauses["max_s"])
+            print(f"  API process's garbage collections: {gc_pauses['count']} ({gc_pauses['full']} full), "
+                  f"{1000 * gc_pauses['total_s']:.0f} ms in all, the longest of generations 0, 1, 2: {longest} ms "
+                  f"({gc_pauses['tracked']:,} objects tracked, {gc_pauses['frozen']:,} frozen)")
             print(f"  output tokens/s: {result['output_throughput']:,.0f} served vs {offline_tps:,.0f} offline "
                   f"({100 * result['output_throughput'] / offline_tps:.1f}%, {1000 * adm['step_interval_s']:.2f} ms "
                   f"per step); TTFT median {result['median_ttft_ms']:.0f} ms, TPOT median "
