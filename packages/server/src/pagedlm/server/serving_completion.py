@@ -60,7 +60,9 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
     if not prompt:
         raise APIError("prompt=[] is invalid: give at least one prompt", param="prompt")
     if isinstance(prompt[0], int):
-        return [list(prompt)]
+        # NOTE: not copied (nothing changes it; nor in _prepare): a copy of a long prompt that
+        # lives as long as its stream is one more list for every garbage collection to walk
+        return [prompt]
     return list(prompt)
 
 
@@ -126,7 +128,7 @@ def _prepare(state: ServerState, req: CompletionRequest, params: SamplingParams,
             else:
                 if not raw:
                     raise ValueError(f"{where}=[] is invalid: a token-id prompt needs at least one token")
-                ids = state.truncate(req, list(raw))
+                ids = state.truncate(req, raw)
                 engine.validate_prompt(ids, params)  # checks the vocabulary range, which decode needs
                 text = engine.tokenizer.decode(ids) if need_text and engine.tokenizer is not None else ""
         except ValueError as e:
