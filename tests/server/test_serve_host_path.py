@@ -80,3 +80,20 @@ def test_token_id_prompts_echo_and_offsets_with_their_decoded_text(client):
     streamed = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=3, temperature=0, stream=True,
                                          echo=True)
     assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
+
+
+def test_token_id_type_checks_keep_their_verdicts(tiny_llama):
+    # the C-speed fast paths (set of element types) must accept and refuse what the loops did
+    from pagedlm.core.engine.arg_utils import EngineArgs
+    from pagedlm.core.engine.processor import Processor
+    from pagedlm.server.protocol import CompletionRequest
+
+    processor = Processor(EngineArgs(model=tiny_llama, skip_tokenizer_init=True).create_vllm_config(), None)
+    assert processor.tokenize_prompt({"prompt_token_ids": [3, True, 4]})[1] == [3, True, 4]  # bool is an int
+    for bad in ([3, "4"], [3, 4.0], [3, None]):
+        with pytest.raises(ValueError, match="prompt_token_ids must be a list of integers"):
+            processor.tokenize_prompt({"prompt_token_ids": bad})
+    assert CompletionRequest(prompt=[5, 6.0, 7]).prompt == [5, 6, 7]  # integral floats become ints
+    assert CompletionRequest(prompt=[[5.0], [6, 7]]).prompt == [[5], [6, 7]]
+    with pytest.raises(ValueError):
+        CompletionRequest(prompt=[5, 6.5])
