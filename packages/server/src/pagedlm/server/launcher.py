@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import importlib.util
 import os
 import signal
 import socket
@@ -94,10 +95,14 @@ def serve(args: argparse.Namespace, *, api_key: str | None) -> int:
 def _run_event_loop(main: Coroutine[Any, Any, int]) -> int:
     """Run ``main`` on uvloop when it is installed (as vLLM's server does; its loop and
     httptools, which uvicorn then picks, cost less per streamed chunk), else on asyncio's loop."""
+    # (said at start-up: a server without them streams at a higher CPU cost per chunk)
+    http = "httptools" if importlib.util.find_spec("httptools") is not None else "h11 (httptools is not installed)"
     try:
         import uvloop
     except ImportError:
+        logger.info("API process: asyncio's event loop (uvloop is not installed), HTTP parser %s", http)
         return asyncio.run(main)
+    logger.info("API process: uvloop event loop, HTTP parser %s", http)
     return uvloop.run(main)
 
 
