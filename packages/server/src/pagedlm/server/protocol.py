@@ -56,7 +56,8 @@ def _integral(value: Any) -> Any:
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, list):
-        return [_integral(v) for v in value]
+        kinds = set(map(type, value))  # (C speed: a prompt of token ids has thousands)
+        return [_integral(v) for v in value] if float in kinds or list in kinds else value
     return value
 
 

@@ -6,7 +6,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import json
 import math
 import re
 import time
@@ -15,6 +14,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -316,8 +316,13 @@ def top_entries(position: dict[int, Logprob], k: int) -> list[tuple[int, Logprob
 
 
 # -- SSE and concurrency -----------------------------------------------------------------------
+# NOTE: compact JSON with non-ASCII text as UTF-8, as json.dumps(ensure_ascii=False,
+# separators=(",", ":")) writes it, about ten times faster (one event per request per engine step).
+_json_encoder = msgspec.json.Encoder()
+
+
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_json_encoder.encode(payload).decode()}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

@@ -37,6 +37,8 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
+import msgspec
+
 from pagedlm.core.bench import common
 from pagedlm.core.bench.workloads import add_workload_options, workload_from_args
 
@@ -315,52 +317,35 @@ async def _stream(session: Any, url: str, payload: dict[str, Any], prompt_len: i
     rec: dict[str, Any] = {"ok": False, "error": None, "prompt_tokens": prompt_len, "output_tokens": 0,
                            "expected_output_tokens": int(payload["max_tokens"]), "streamed_tokens": 0,
                            "counted_by": None, "ttft": None, "latency": None, "itl": [], "chunks": 0}
-    start = time.perf_counter()
-    last = start
-    usage = None
+    events = _Events(rec, time.perf_counter())
     try:
         async with session.post(url, json=payload) as resp:
             if resp.status != 200:
                 rec["error"] = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return rec
-            async for raw in resp.content:
+            # NOTE: whatever bytes arrived, split into lines here: one read per arrival instead of
+            # one per line halves this process's cost per event (~24k/s against a fast server),
+            # which otherwise delays the timestamps it takes.
+            pending = b""
+            done = False
+            async for block in resp.content.iter_any():
                 now = time.perf_counter()
-                line = raw.decode("utf-8", errors="replace").strip()
-                if not line.startswith("data:"):
-                    continue  # blank separators, SSE comments, event names
-                data = line[5:].strip()
-                if data == "[DONE]":
+                *lines, pending = (pending + block).split(b"\n")
+                if any(events.line(line, now) for line in lines):
+                    done = True
                     break
-                chunk = json.loads(data)
-                if chunk.get("error"):
-                    rec["error"] = f"stream error: {json.dumps(chunk['error'])[:200]}"
-                    return rec
-                usage = chunk.get("usage") or usage
-                choices = chunk.get("choices") or []
-                rec["answered"] = rec.get("answered", False) or bool(choices)
-                if not choices:
-                    continue
-                k = _chunk_tokens(choices[0], rec)
-                if not k:
-                    continue
-                if rec["ttft"] is None:
-                    rec["ttft"] = now - start
-                    # tokens that arrive with the first one follow it without any wait
-                    rec["itl"].extend([0.0] * (k - 1))
-                else:
-                    # NOTE: a chunk of k tokens (--stream-interval, a lagging server) is k inter-token
-                    # latencies of gap / k each, so ITL stays per token and sums to latency - TTFT
-                    rec["itl"].extend([(now - last) / k] * k)
-                last = now
-                rec["chunks"] += 1
-                rec["streamed_tokens"] += k
+            if not done and pending:
+                events.line(pending, time.perf_counter())
+            if rec["error"]:
+                return rec
     except asyncio.TimeoutError:
         rec["error"] = "timed out (--request-timeout)"
         return rec
     except Exception as e:  # noqa: BLE001 - a broken stream is a counted error, not a crash of the run
         rec["error"] = f"{type(e).__name__}: {e}"[:200]
         return rec
-    rec["latency"] = time.perf_counter() - start
+    rec["latency"] = time.perf_counter() - events.start
+    usage = events.usage
     if usage:
         rec["prompt_tokens"] = int(usage.get("prompt_tokens", prompt_len))
         rec["output_tokens"] = int(usage.get("completion_tokens", rec["streamed_tokens"]))
@@ -373,6 +358,49 @@ async def _stream(session: Any, url: str, payload: dict[str, Any], prompt_len: i
     # latency and throughput, but has no TTFT or ITL.
     rec["ok"] = True
     return rec
+
+
+class _Events:
+    """One response's SSE lines, recorded into ``rec`` (tokens, TTFT, ITL) as they arrive."""
+
+    def __init__(self, rec: dict[str, Any], start: float) -> None:
+        self.rec = rec
+        self.start = self.last = start
+        self.usage: dict[str, Any] | None = None
+
+    def line(self, raw: bytes, now: float) -> bool:
+        """Take one line; True when the stream is over (``[DONE]``, or an error payload)."""
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            return False  # blank separators, SSE comments, event names
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return True
+        rec = self.rec
+        chunk = msgspec.json.decode(data)
+        if chunk.get("error"):
+            rec["error"] = f"stream error: {json.dumps(chunk['error'])[:200]}"
+            return True
+        self.usage = chunk.get("usage") or self.usage
+        choices = chunk.get("choices") or []
+        rec["answered"] = rec.get("answered", False) or bool(choices)
+        if not choices:
+            return False
+        k = _chunk_tokens(choices[0], rec)
+        if not k:
+            return False
+        if rec["ttft"] is None:
+            rec["ttft"] = now - self.start
+            # tokens that arrive with the first one follow it without any wait
+            rec["itl"].extend([0.0] * (k - 1))
+        else:
+            # NOTE: a chunk of k tokens (--stream-interval, a lagging server) is k inter-token
+            # latencies of gap / k each, so ITL stays per token and sums to latency - TTFT
+            rec["itl"].extend([(now - self.last) / k] * k)
+        self.last = now
+        rec["chunks"] += 1
+        rec["streamed_tokens"] += k
+        return False
 
 
 def _chunk_tokens(choice: dict[str, Any], rec: dict[str, Any]) -> int:

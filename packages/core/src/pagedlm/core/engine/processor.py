@@ -83,7 +83,9 @@ class Processor:
                 raise ValueError("text prompts need a tokenizer; this engine runs with skip_tokenizer_init=True")
             token_ids = self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
         else:
-            if not isinstance(token_ids, (list, tuple)) or not all(isinstance(t, int) for t in token_ids):
+            if not isinstance(token_ids, (list, tuple)) or (
+                    set(map(type, token_ids)) - {int}  # (C speed; the slow check for int subclasses only)
+                    and not all(isinstance(t, int) for t in token_ids)):
                 raise ValueError("prompt_token_ids must be a list of integers")
             token_ids = list(token_ids)
         return text, token_ids

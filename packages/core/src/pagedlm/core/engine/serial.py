@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,7 +71,11 @@ class EngineCoreOutputs:
 
 _PARAM_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
 _STATS_FIELDS = [f.name for f in dataclasses.fields(EngineStatsSnapshot)]
-_OUTPUT_FIELDS = list(EngineCoreOutput.__slots__)
+# NOTE: EngineCoreOutput's constructor parameters, in order: an output travels as their values,
+# read with one attrgetter and passed back positionally (a few times cheaper per output than
+# getattr and keyword calls, at ~24k outputs/s; serve_host_cost.py).
+_OUTPUT_FIELDS = list(inspect.signature(EngineCoreOutput.__init__).parameters)[1:]
+_output_values = operator.attrgetter(*_OUTPUT_FIELDS)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
@@ -180,7 +186,7 @@ def _tensor_from_wire(value: list[Any] | None) -> Any:
 
 # -- outputs -----------------------------------------------------------------------------------
 def encode_outputs(batch: EngineCoreOutputs) -> bytes:
-    outputs = [[getattr(o, name) for name in _OUTPUT_FIELDS] for o in batch.outputs]
+    outputs = [_output_values(o) for o in batch.outputs]
     stats = None if batch.stats is None else [getattr(batch.stats, n) for n in _STATS_FIELDS]
     return encode(OutputKind.OUTPUTS, [batch.timestamp, outputs, stats])
 
@@ -188,7 +194,7 @@ def encode_outputs(batch: EngineCoreOutputs) -> bytes:
 def outputs_from_wire(payload: list[Any]) -> EngineCoreOutputs:
     timestamp, outputs, stats = payload
     return EngineCoreOutputs(
-        outputs=[EngineCoreOutput(**dict(zip(_OUTPUT_FIELDS, values))) for values in outputs],
+        outputs=[EngineCoreOutput(*values) for values in outputs],
         stats=None if stats is None else EngineStatsSnapshot(**dict(zip(_STATS_FIELDS, stats))),
         timestamp=timestamp,
     )
