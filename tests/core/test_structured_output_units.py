@@ -81,7 +81,7 @@ def test_bounded_strings_become_plain_character_patterns():
         assert bool(re.fullmatch(pattern, text)) is ok, text
 
 
-def test_xgrammar_fill_uses_threads_only_for_costly_rows(tmp_path, monkeypatch):
+def test_xgrammar_fill_uses_threads_only_for_costly_rows(tmp_path):
     """The batched fill gives each row the matcher's own mask; cheap rows stay on one thread, rows
     measured as costly spread over threads, and a threaded run re-measures on one thread now and
     then."""
@@ -112,7 +112,7 @@ def test_xgrammar_fill_uses_threads_only_for_costly_rows(tmp_path, monkeypatch):
     assert np.array_equal(got, expected)
     assert set(backend._batch_matchers) == {1} and backend._fill_seconds_per_row > 0
 
-    monkeypatch.setattr(xb, "usable_cores", lambda: 4)
+    backend._max_fill_threads = 4
     backend._fill_seconds_per_row = 1.0  # as if every row took a second on one thread
     got[:] = 0
     backend.fill_bitmasks(grammars, got)

@@ -170,6 +170,7 @@ class XgrammarBackend(StructuredOutputBackend):
         #: the host seconds a bitmask row takes on one thread (a moving average of such fills)
         self._fill_seconds_per_row = 0.0
         self._num_threaded_fills = 0
+        self._max_fill_threads = usable_cores()
         soc = vllm_config.structured_outputs_config
         self._any_whitespace_default = not soc.disable_any_whitespace
 
@@ -223,7 +224,7 @@ class XgrammarBackend(StructuredOutputBackend):
         """One batched call (no Python per row), on as many threads as the rows' cost on one
         thread justifies; that cost is measured by the single-thread fills."""
         rows = len(grammars)
-        threads = max(1, min(usable_cores(), int(rows * self._fill_seconds_per_row / _FILL_SECONDS_PER_THREAD)))
+        threads = max(1, min(self._max_fill_threads, int(rows * self._fill_seconds_per_row / _FILL_SECONDS_PER_THREAD)))
         if threads > 1:
             self._num_threaded_fills += 1
             if self._num_threaded_fills % _FILL_REMEASURE_EVERY == 0:
