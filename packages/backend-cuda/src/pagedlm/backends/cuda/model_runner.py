@@ -441,8 +441,8 @@ class CudaModelRunner(ModelRunner):
         forwards' outputs are dropped unread; attention is called with a one-block stand-in
         cache per layer (nothing is launched on it) because the real one does not exist yet.
         """
-        from pagedlm.backends.cuda.kernels.launch import compile_only
         from pagedlm.backends.cuda.kernels.bitmask import apply_token_bitmask
+        from pagedlm.backends.cuda.kernels.launch import compile_only
         from pagedlm.backends.cuda.kernels.sampling import gumbel_sample
 
         assert self.model is not None

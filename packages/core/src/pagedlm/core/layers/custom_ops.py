@@ -65,8 +65,8 @@ OP_CONTRACTS: Mapping[str, str] = MappingProxyType({
         "fn(logits [S, V] any float dtype, bitmask [R, W] int32 (32 * W >= V, on logits' device), logit_rows "
         "[R] int32 on logits' device | None) -> None: in place, logits[logit_rows[r], t] = -inf for every token t "
         "< V whose bit t % 32 of bitmask[r, t // 32] is clear; a row r with logit_rows[r] < 0 is skipped (logit_rows "
-        "None: row r of logits is row r of the bitmask, R == S); the other entries and rows are unchanged. No host synchronisation (API 1.5; reference: "
-        "pagedlm.core.structured_output.bitmask.apply_token_bitmask_reference)."
+        "None: row r of logits is row r of the bitmask, R == S); the other entries and rows are unchanged. No host "
+        "synchronisation (API 1.5; reference: pagedlm.core.structured_output.bitmask.apply_token_bitmask_reference)."
     ),
     # Quantized GEMMs (pagedlm.core.layers.quantization; references in its utils module).
     "wna16_gemm": (
