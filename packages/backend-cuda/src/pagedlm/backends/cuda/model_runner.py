@@ -365,8 +365,10 @@ class CudaModelRunner(ModelRunner):
         copy out of it has completed (its event)."""
         if self.device.type != "cuda":
             return super().stage_to_device(array)
-        if array.flags.c_contiguous and torch.from_numpy(array).is_pinned():
-            return torch.from_numpy(array).to(self.device, non_blocking=True)  # (its owner keeps it until used)
+        if array.flags.c_contiguous:
+            host = torch.from_numpy(array)
+            if host.is_pinned():
+                return host.to(self.device, non_blocking=True)  # (its owner keeps it until used)
         k = self._num_array_stagings % 2
         self._num_array_stagings += 1
         buf = self._array_staging[k]
@@ -462,9 +464,10 @@ class CudaModelRunner(ModelRunner):
                     words = torch.zeros((n, -(-logits.shape[-1] // 32)), dtype=torch.int32, device=self.device)
                     rows = torch.arange(n, dtype=torch.int32, device=self.device)
                     for dtype in {logits.dtype, torch.float32}:
-                        gumbel_sample(logits.to(dtype), temperature, 0, 0)
+                        cast = logits.to(dtype)
+                        gumbel_sample(cast, temperature, 0, 0)
                         for logit_rows in (None, rows):  # structured outputs' bitmask, in step order or not
-                            apply_token_bitmask(logits.to(dtype), words, logit_rows)
+                            apply_token_bitmask(cast, words, logit_rows)
                 self._compile_attention_variants()
         finally:
             for name, layer in self.attention_layers.items():

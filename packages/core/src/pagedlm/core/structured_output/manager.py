@@ -261,15 +261,15 @@ class StructuredOutputManager:
         if num_rows > capacity:
             return backend.allocate_bitmask(num_rows)
         if not self._bitmask_buffers:
+            import torch
+
             from pagedlm.core.platforms import current_platform
 
+            pinned = self._pinned_bitmasks and current_platform.is_pin_memory_available()
             for _ in range(_NUM_BITMASK_BUFFERS):
                 rows = backend.allocate_bitmask(capacity)
-                if self._pinned_bitmasks and current_platform.is_pin_memory_available():
-                    import torch
-
-                    pinned = torch.empty(rows.shape, dtype=torch.int32, pin_memory=True)
-                    rows = pinned.numpy()
+                if pinned:
+                    rows = torch.empty(rows.shape, dtype=torch.int32, pin_memory=True).numpy()
                 self._bitmask_buffers.append(rows)
         buffer = self._bitmask_buffers[self._num_bitmasks % _NUM_BITMASK_BUFFERS]
         self._num_bitmasks += 1
