@@ -158,6 +158,29 @@ def test_same_tokens_with_preemption_and_async_scheduling(tiny_llama, llm):
     assert any(g.grammar_bitmask is not None for g in deferred)
 
 
+def test_same_tokens_with_every_fill_on_the_fill_thread(tiny_llama, llm, monkeypatch):
+    """The fill thread (a fill left running while the engine core schedules the next step) gives
+    the tokens of the inline fill; the switch interval is back to what it was afterwards."""
+    import sys
+
+    from pagedlm.core.structured_output import manager
+
+    monkeypatch.setattr(manager, "_BACKGROUND_FILL_MIN_S", -1.0)  # every fill, however small
+    schema = SCHEMAS["nested_with_ref"]
+    prompts = PROMPTS * 2
+    params = [_params(seed=i, max_tokens=60, json=schema) for i in range(len(prompts))]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    interval = sys.getswitchinterval()
+    threaded = LLM(model=tiny_llama, dtype="float32", device="cpu", max_model_len=256, async_scheduling=True)
+    got = [o.outputs[0].token_ids for o in threaded.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    som = threaded.llm_engine.core.scheduler.structured_output_manager
+    assert som._fill_thread is not None and som.num_fill_steps > 0
+    assert sys.getswitchinterval() == interval
+    threaded.llm_engine.core.shutdown()
+    assert not som._fill_thread._thread.is_alive()
+
+
 def test_guided_decoding_alias_and_pydantic_model(llm):
     from pydantic import BaseModel, Field
 

@@ -107,6 +107,7 @@ class BitmaskCost:
         steps = som.num_fill_steps
         return {"bitmask_steps": steps,
                 "fill_ms_per_step": 1e3 * som.fill_seconds / steps if steps else None,
+                "fill_wait_ms_per_step": 1e3 * som.fill_wait_seconds / steps if steps else None,
                 "apply_host_ms_per_step": 1e3 * self.host_s / self.calls if self.calls else None,
                 "apply_device_ms_per_step": device_ms}
 
@@ -117,6 +118,7 @@ def describe(name: str, cost: dict[str, Any]) -> list[tuple[str, Any]]:
         return "n/a" if value is None else f"{value:.3f} ms"
 
     return [("structured outputs", f"{name} JSON schema on every request ({cost['bitmask_steps']} steps with masks)"),
-            ("  bitmask fill / step", f"{ms(cost['fill_ms_per_step'])} (host, scheduler)"),
+            ("  bitmask fill / step", f"{ms(cost['fill_ms_per_step'])} host (fill thread: the engine core waited "
+                                      f"{ms(cost['fill_wait_ms_per_step'])} of it)"),
             ("  bitmask apply / step", f"{ms(cost['apply_host_ms_per_step'])} host, "
                                        f"{ms(cost['apply_device_ms_per_step'])} device")]

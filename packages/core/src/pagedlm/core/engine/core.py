@@ -87,6 +87,8 @@ class EngineCore:
         depth = 2 if sc.async_scheduling else pipeline_depth
         self.batch_queue: deque[tuple[Future, SchedulerOutput]] | None = deque() if depth > 1 else None
         self.batch_queue_size = depth
+        #: the sampling of the newest step while its grammar bitmask is still filling
+        self._deferred_sample: _DeferredSample | None = None
 
     def _create_kv_connector(self, num_blocks: int) -> Any:
         """The scheduler half of kv_transfer_config's KV connector, or None."""
@@ -242,6 +244,7 @@ class EngineCore:
             if not scheduler_output.is_empty or scheduler_output.finished_req_ids \
                     or scheduler_output.preempted_req_ids or scheduler_output.kv_connector_metadata is not None \
                     or self.scheduler.kv_transfer is not None:
+                self._launch_deferred_sample()
                 if self.scheduler.needs_grammar_bitmask(scheduler_output):
                     future = self._execute_with_grammar(scheduler_output, queue, outputs)
                 else:
@@ -261,11 +264,13 @@ class EngineCore:
         return outputs
 
     def _execute_with_grammar(self, scheduler_output: SchedulerOutput, queue: deque[tuple[Future, SchedulerOutput]],
-                              outputs: list[EngineCoreOutput]) -> Future:
+                              outputs: list[EngineCoreOutput]) -> Future | _DeferredSample:
         """Send out a step with grammar bitmask rows, whose matchers must first advance over the
         tokens of the batch in flight. Where the executor can, the forward goes out first and the
-        bitmask is filled while it runs (``sample_tokens`` then samples the step); otherwise the
-        batch in flight is taken back before the step goes out."""
+        bitmask is filled while it runs; its sampling (``sample_tokens``) goes out once the fill is
+        done, at the latest when the core next calls the executor, so a fill left running on the
+        fill thread overlaps the outputs' return and the next schedule. Otherwise the batch in
+        flight is taken back before the step goes out."""
         deferred = self.executor.supports_deferred_sampling and self.scheduler.kv_transfer is None
         if deferred:
             scheduler_output.pending_structured_output_tokens = True
@@ -273,11 +278,23 @@ class EngineCore:
         while queue:
             future, in_flight = queue.popleft()
             outputs.extend(self._update(in_flight, future.result()))
-        self.scheduler.fill_grammar_bitmask(scheduler_output)
         if not deferred:
+            self.scheduler.fill_grammar_bitmask(scheduler_output)
             return self.executor.execute_model(scheduler_output, non_block=True)  # type: ignore[return-value]
-        grammar = GrammarOutput(scheduler_output.structured_output_request_ids, scheduler_output.grammar_bitmask)
-        return self.executor.sample_tokens(grammar, non_block=True)  # type: ignore[return-value]
+        fill = self.scheduler.fill_grammar_bitmask_deferred(scheduler_output)
+        sample = _DeferredSample(self, GrammarOutput(scheduler_output.structured_output_request_ids,
+                                                     scheduler_output.grammar_bitmask), fill)
+        if fill is None:
+            sample.launch()
+        else:
+            self._deferred_sample = sample
+        return sample
+
+    def _launch_deferred_sample(self) -> None:
+        """Send out the sampling of a step whose bitmask was still filling: the executor's calls
+        run in order, and that sampling comes before anything sent after it."""
+        if self._deferred_sample is not None:
+            self._deferred_sample.launch()
 
     def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -321,6 +338,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         try:
+            if getattr(self, "_deferred_sample", None) is not None:
+                self._deferred_sample.launch()  # type: ignore[union-attr]
             self._finish_kv_transfers()
         finally:
             som = self.scheduler.structured_output_manager if hasattr(self, "scheduler") else None
@@ -338,3 +357,33 @@ class EngineCore:
         while kvt.delayed_free and not (self.scheduler.waiting or self.scheduler.running) \
                 and time.monotonic() < deadline:
             self.step()
+
+
+class _DeferredSample:
+    """The sampling of a step sent out before its bitmask was filled, in the batch queue in place
+    of the step's future: ``launch`` waits for the fill and calls ``sample_tokens``; ``result``
+    launches it if that has not happened yet."""
+
+    __slots__ = ("_core", "_grammar", "_fill", "_future")
+
+    def __init__(self, core: EngineCore, grammar: GrammarOutput, fill: Future | None) -> None:
+        self._core = core
+        self._grammar = grammar
+        self._fill = fill
+        self._future: Future | None = None
+
+    def launch(self) -> None:
+        if self._future is not None:
+            return
+        core = self._core
+        core._deferred_sample = None
+        if self._fill is not None:
+            som = core.scheduler.structured_output_manager
+            assert som is not None
+            som.wait_fill(self._fill)
+        self._future = core.executor.sample_tokens(self._grammar, non_block=True)  # type: ignore[assignment]
+
+    def result(self) -> ModelRunnerOutput:
+        self.launch()
+        assert self._future is not None
+        return self._future.result()

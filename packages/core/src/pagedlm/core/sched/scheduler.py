@@ -56,6 +56,8 @@ from pagedlm.core.spec_decode.config import SpeculativeConfig
 from pagedlm.core.spec_decode.scheduling import SpecDecodeScheduling
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from pagedlm.core.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
@@ -571,6 +573,15 @@ class Scheduler:
         assert som is not None
         output.structured_output_request_ids, output.grammar_bitmask = som.grammar_bitmask(
             self.requests, output.num_scheduled_tokens)
+
+    def fill_grammar_bitmask_deferred(self, output: SchedulerOutput) -> Future | None:
+        """:meth:`fill_grammar_bitmask`, possibly still filling on the structured-output manager's
+        fill thread: then its future (``structured_output_manager.wait_fill`` it)."""
+        som = self.structured_output_manager
+        assert som is not None
+        output.structured_output_request_ids, output.grammar_bitmask, future = som.grammar_bitmask_deferred(
+            self.requests, output.num_scheduled_tokens)
+        return future
 
     def _advance_grammar(self, request: Request, token_ids: list[int]) -> str | None:
         """Advance the request's grammar over its new tokens: a grammar that has ended stops the

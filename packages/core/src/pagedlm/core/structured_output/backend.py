@@ -67,3 +67,10 @@ class StructuredOutputBackend(ABC):
         """Row ``i`` of ``bitmask`` for ``grammars[i]``. Backends may batch (and parallelize) this."""
         for row, grammar in enumerate(grammars):
             grammar.fill_bitmask(bitmask, row)
+
+    def fill_seconds_estimate(self, num_rows: int) -> float:
+        """The host seconds :meth:`fill_bitmasks` is expected to take for ``num_rows`` rows. The
+        engine core fills on its fill thread, beside its own work, when this is large; only a
+        backend whose fill releases the GIL gains from that, so the default (0.0) keeps the fill
+        on the engine core's thread."""
+        return 0.0

@@ -39,6 +39,7 @@ import numpy as np
 
 from pagedlm.core.logger import init_logger
 from pagedlm.core.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
+from pagedlm.core.structured_output.fill_thread import FillThread
 from pagedlm.core.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -53,6 +54,9 @@ _CACHE_SIZE = 512
 _IDLE_WAIT_S = 0.005
 #: bitmask buffers used in turn (see ``_bitmask_rows``)
 _NUM_BITMASK_BUFFERS = 3
+#: fills expected to take less host time than this run inline: the hand-off to the fill thread
+#: costs ~0.1 ms (``fill_thread.py``)
+_BACKGROUND_FILL_MIN_S = 0.25e-3
 
 
 def resolve_backend_class(name: str) -> type[StructuredOutputBackend]:
@@ -103,6 +107,7 @@ class StructuredOutputManager:
         #: requests whose grammar is compiling, in arrival order
         self._held: list[Request] = []
         self._bitmask_buffers: list[np.ndarray] = []
+        self._fill_thread: FillThread | None = None
         self._num_bitmasks = 0
         #: host seconds spent filling bitmasks, and the steps that filled any (``pagedlm bench``)
         self.fill_seconds = 0.0
@@ -222,11 +227,47 @@ class StructuredOutputManager:
                         num_scheduled_tokens: dict[str, int]) -> tuple[dict[str, int], np.ndarray | None]:
         """(req_id -> bitmask row, ``int32 [rows, ceil(V/32)]``) of the scheduled requests that
         sample in this step under a live grammar; ({}, None) when there are none."""
-        if not self._requests:
+        rows, grammars = self._grammar_rows(requests, num_scheduled_tokens)
+        if not grammars:
             return {}, None
-        start = time.perf_counter()
+        bitmask = self._bitmask_rows(len(grammars))
+        self._fill(grammars, bitmask)
+        return rows, bitmask
+
+    def grammar_bitmask_deferred(self, requests: dict[str, Request], num_scheduled_tokens: dict[str, int]
+                                 ) -> tuple[dict[str, int], np.ndarray | None, Future | None]:
+        """:meth:`grammar_bitmask` with the fill left running on the fill thread when it is worth
+        a hand-off (:data:`_BACKGROUND_FILL_MIN_S` of expected work): the rows, the bitmask, and
+        the fill's future (None: already filled). :meth:`wait_fill` it before the bitmask is read.
+        NOTE: the matchers must not move until then (their tokens come with the next update)."""
+        rows, grammars = self._grammar_rows(requests, num_scheduled_tokens)
+        if not grammars:
+            return {}, None, None
+        bitmask = self._bitmask_rows(len(grammars))
+        backend = self._backend
+        assert backend is not None
+        if backend.fill_seconds_estimate(len(grammars)) < _BACKGROUND_FILL_MIN_S:
+            self._fill(grammars, bitmask)
+            return rows, bitmask, None
+        if self._fill_thread is None:
+            self._fill_thread = FillThread()
+        return rows, bitmask, self._fill_thread.submit(lambda: self._fill(grammars, bitmask))
+
+    def wait_fill(self, future: Future) -> None:
+        assert self._fill_thread is not None
+        self._fill_thread.wait(future)
+
+    @property
+    def fill_wait_seconds(self) -> float:
+        """Host seconds the engine core waited for fills on the fill thread."""
+        return self._fill_thread.wait_seconds if self._fill_thread is not None else 0.0
+
+    def _grammar_rows(self, requests: dict[str, Request], num_scheduled_tokens: dict[str, int]
+                      ) -> tuple[dict[str, int], list[StructuredOutputGrammar]]:
         rows: dict[str, int] = {}
         grammars: list[StructuredOutputGrammar] = []
+        if not self._requests:
+            return rows, grammars
         for req_id in num_scheduled_tokens:
             state = self._requests.get(req_id)
             if state is None or state.grammar is None or not state.reasoning_ended:
@@ -238,13 +279,13 @@ class StructuredOutputManager:
                 continue
             rows[req_id] = len(grammars)
             grammars.append(state.grammar)
-        if not grammars:
-            return {}, None
-        bitmask = self._bitmask_rows(len(grammars))
+        return rows, grammars
+
+    def _fill(self, grammars: list[StructuredOutputGrammar], bitmask: np.ndarray) -> None:
+        start = time.perf_counter()
         self._backend.fill_bitmasks(grammars, bitmask)  # type: ignore[union-attr]
         self.fill_seconds += time.perf_counter() - start
         self.num_fill_steps += 1
-        return rows, bitmask
 
     def _bitmask_rows(self, num_rows: int) -> np.ndarray:
         """``num_rows`` rows of the next of a few persistent bitmask buffers: no fresh 20 KB a
@@ -293,5 +334,7 @@ class StructuredOutputManager:
         return "stop" if state.grammar.is_terminated() else None
 
     def shutdown(self) -> None:
+        if self._fill_thread is not None:
+            self._fill_thread.shutdown()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)

@@ -220,6 +220,10 @@ class XgrammarBackend(StructuredOutputBackend):
             return XgrammarGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids))
         return XgrammarGrammar(xgr.GrammarMatcher(compiled, terminate_without_stop_token=True))
 
+    def fill_seconds_estimate(self, num_rows: int) -> float:
+        # NOTE: xgrammar's calls release the GIL (tvm-ffi's default); the rows' cost on one thread
+        return num_rows * self._fill_seconds_per_row
+
     def fill_bitmasks(self, grammars: list[StructuredOutputGrammar], bitmask: np.ndarray) -> None:
         """One batched call (no Python per row), on as many threads as the rows' cost on one
         thread justifies; that cost is measured by the single-thread fills."""
