@@ -83,7 +83,7 @@ def test_split_k_is_deterministic_and_leaves_counters_zero(device):
 
 
 @pytest.mark.parametrize("case", ["five_rows", "no_rows", "float32", "strided_weight", "mixed_dtypes", "strided_x",
-                                  "not_in_table"])
+                                  "short_bias", "not_in_table"])
 def test_fallbacks_are_f_linear(device, case):
     t = {"five_rows": 5, "no_rows": 0}.get(case, 2)
     dtype = torch.float32 if case == "float32" else torch.bfloat16
@@ -92,6 +92,8 @@ def test_fallbacks_are_f_linear(device, case):
         w = w.t().contiguous().t()  # [N, K] with strides (1, N)
     if case == "mixed_dtypes":
         w = w.to(torch.float16)
+    if case == "short_bias":
+        b = b[:-1]  # F.linear raises; the kernel must not read past it
     if case == "strided_x":
         x = torch.cat([x, x], dim=1)[:, ::2]
     # every case but the last forces a config: the kernel must still refuse the inputs
@@ -99,7 +101,7 @@ def test_fallbacks_are_f_linear(device, case):
     assert gemv().gemv_config(t, 40, 64) is None
     try:
         want = F.linear(x, w, b)
-    except RuntimeError:  # mixed dtypes: F.linear refuses them too
+    except RuntimeError:  # mixed dtypes, a short bias: F.linear refuses them, so must the op
         with pytest.raises(RuntimeError):
             gemv().unquantized_gemm(x, w, b, _config=cfg)
         return

@@ -31,7 +31,8 @@ prints a replacement table. NOTE: the entries below are first guesses written wi
 benchmark's table replaces them every other shape runs F.linear.
 
 Inputs that take ``F.linear`` anyway: another dtype (float32), a weight that is not contiguous or
-not of x's dtype, x rows with a stride along K, more than :data:`GEMV_MAX_ROWS` rows (or none).
+not of x's dtype, x rows with a stride along K, more than :data:`GEMV_MAX_ROWS` rows (or none),
+an empty weight, and whatever F.linear would refuse (mismatched shapes or devices: it raises).
 
 NOTE: CUDA-graph safe: no host synchronisation, and a grid that depends on the shapes only. The
 split-K counters are :func:`.wna16_gemv.split_k_counters`' (shared with the W4A16 GEMV: one stream
@@ -73,10 +74,12 @@ class GemvConfig(NamedTuple):
 
 #: (N, K) -> {rows rounded up to 1, 2 or 4: the configuration, or None for F.linear}
 DEFAULT_CONFIGS: dict[tuple[int, int], dict[int, GemvConfig | None]] = {
-    # Llama-3.1-8B qkv and o (unmeasured guesses, see the module docstring): 16 rows x 512 values
-    # (16 KiB) per step, 2 splits: 768 and 512 programs, 4 to 6 per SM of an H200, all resident
-    (6144, 4096): {1: GemvConfig(16, 512, 2, 4, 1), 2: GemvConfig(16, 512, 2, 4, 1), 4: GemvConfig(16, 512, 2, 4, 1)},
-    (4096, 4096): {1: GemvConfig(16, 512, 2, 4, 1), 2: GemvConfig(16, 512, 2, 4, 1), 4: GemvConfig(16, 512, 2, 4, 1)},
+    # Llama-3.1-8B qkv and o: unmeasured guesses (see the module docstring). 1024 values per step
+    # and 4 warps give x's chunk the weight tile's layout (no shared-memory conversion per step;
+    # 48-72 registers at 1-2 rows in sm_90 builds); 2 splits: 768 and 512 programs, all resident.
+    # At 4 rows 8 weight rows per program keep it at 128 registers.
+    (6144, 4096): {1: GemvConfig(16, 1024, 2, 4, 1), 2: GemvConfig(16, 1024, 2, 4, 1), 4: GemvConfig(8, 1024, 2, 4, 1)},
+    (4096, 4096): {1: GemvConfig(16, 1024, 2, 4, 1), 2: GemvConfig(16, 1024, 2, 4, 1), 4: GemvConfig(8, 1024, 2, 4, 1)},
 }
 
 
@@ -177,9 +180,13 @@ def _gemv_eligible(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return False
     if x.device.type != "cuda" and not _INTERPRET:
         return False
-    if weight.dim() != 2 or not weight.is_contiguous() or x.stride(1) != 1 or weight.shape[1] != x.shape[1]:
+    if weight.dim() != 2 or not weight.is_contiguous() or weight.device != x.device or x.stride(1) != 1:
         return False
-    return bias is None or (bias.dtype == x.dtype and bias.dim() == 1 and bias.stride(0) == 1)
+    n, k = weight.shape
+    if k != x.shape[1] or n == 0 or k == 0:
+        return False  # F.linear raises for the mismatch, and has nothing to stream for empty weights
+    return bias is None or (bias.dtype == x.dtype and bias.shape == (n,) and bias.stride(0) == 1
+                            and bias.device == x.device)
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
