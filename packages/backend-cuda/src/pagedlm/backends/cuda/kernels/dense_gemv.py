@@ -9,8 +9,11 @@ split-K reduce launch each; this kernel streams the weights in a single launch i
   and walks its K range in ``BLOCK_K`` steps. A step's tile is loaded as ``[BLOCK_N, BLOCK_K //
   VEC, VEC]`` with ``VEC`` values (16 bytes) per vector, coalesced along K; the product with the
   ``[T, BLOCK_K]`` chunk of x is summed over each vector's values inside the thread that loaded it,
-  into a float32 accumulator ``[BLOCK_M, BLOCK_N, BLOCK_K // VEC]`` (VEC times smaller than the
-  tile's products), reduced over K once at the end;
+  into one float32 accumulator ``[BLOCK_N, BLOCK_K // VEC]`` per row of x (VEC times smaller
+  than the tile's products), reduced over K once at the end;
+- x's chunk gets the tile's register layout when ``BLOCK_K >= VEC * 32 * num_warps`` (1024 at 4
+  warps); smaller steps convert it through shared memory once per step (the chunk, not the
+  tile: see the loop's NOTE);
 - no ``tl.dot``: at one row a 16-row tensor-core tile would be 16x padding, and the kernel is
   bound by memory anyway;
 - weights are read once, so they load with ``evict_first`` (they should not push x, the split-K
@@ -24,7 +27,7 @@ split-K reduce launch each; this kernel streams the weights in a single launch i
 Configurations ``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)`` come from
 :data:`DEFAULT_CONFIGS`, keyed by the weight's ``(N, K)`` and the row count rounded up to a power of
 two (1, 2, 4). A shape (or row count) that is not in the table, or whose entry is None, runs
-``F.linear`` (cuBLAS): the table lists only where the kernel was measured to win.
+``F.linear`` (cuBLAS): the table is to list only where the kernel measured faster.
 ``packages/backend-cuda/benchmarks/bench_dense_gemv.py`` sweeps the configurations on a GPU and
 prints a replacement table. NOTE: the entries below are first guesses written without a GPU
 (2026-12-02), for Llama-3.1-8B's qkv and o, the two shapes cuBLAS reads slowest; until the
