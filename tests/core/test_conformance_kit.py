@@ -56,7 +56,8 @@ def _cases(op_name):
 
 
 @pytest.mark.parametrize("op_name", ["rms_norm", "fused_add_rms_norm", "rotary_embedding",
-                                     "qk_norm_rotary_embedding", "silu_and_mul", "fused_experts"])
+                                     "qk_norm_rotary_embedding", "silu_and_mul", "fused_experts",
+                                     "unquantized_gemm"])
 def test_reference_ops_pass_and_skewed_ops_fail(op_name):
     exact = getattr(ref, op_name)
 

@@ -135,3 +135,35 @@ def test_docs_cover_every_op_contract():
     text = (Path(__file__).resolve().parents[2] / "docs" / "plugins.md").read_text()
     missing = [name for name in custom_ops.OP_CONTRACTS if f"`{name}`" not in text]
     assert not missing, f"docs/plugins.md does not document the ops {missing}"
+
+
+def test_linear_layers_bind_unquantized_gemm():
+    """A full-precision linear built with an ``unquantized_gemm`` op calls it (a [..., K] input
+    flattened to [T, K] and back; the bias handed to the op); built without one, F.linear runs."""
+    from pagedlm.core.layers import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+
+    calls: list[tuple[tuple[int, ...], tuple[int, ...], bool]] = []
+
+    def fake_gemm(x, weight, bias):
+        calls.append((tuple(x.shape), tuple(weight.shape), bias is not None))
+        return F.linear(x, weight, bias) + 1.0  # marked, so the result shows the op ran
+
+    with custom_ops.use_ops({"unquantized_gemm": fake_gemm}):
+        layers = [ReplicatedLinear(8, 6, bias=True), RowParallelLinear(8, 5),
+                  QKVParallelLinear(8, 2, 2, 1, bias=True)]
+    plain = ReplicatedLinear(8, 6, bias=True)  # built outside: F.linear
+    assert custom_ops.bound_op("unquantized_gemm") is None
+    gen = torch.Generator().manual_seed(0)
+    for layer in [*layers, plain]:
+        for p in layer.parameters():
+            p.data.copy_(torch.randn(p.shape, generator=gen))
+    x = torch.randn(2, 3, 8, generator=gen)
+    for layer in layers:
+        calls.clear()
+        out = layer(x)
+        want = F.linear(x, layer.weight, layer.bias) + 1.0
+        assert out.shape == want.shape and torch.allclose(out, want)
+        assert calls == [((6, 8), tuple(layer.weight.shape), layer.bias is not None)]
+    calls.clear()
+    assert torch.equal(plain(x), F.linear(x, plain.weight, plain.bias)) and not calls
+    assert plain.quant_method.op is None

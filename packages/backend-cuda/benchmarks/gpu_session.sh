@@ -98,6 +98,10 @@ fi
 if has kernel-bench; then
   stage kernel-bench 180 python3 packages/backend-cuda/benchmarks/bench_attention.py --output-json "$OUT/kernel.json"
 fi
+if has gemv-bench; then  # the decode GEMV's sweep against cuBLAS (GEMV_ARGS="" for the full sweep)
+  stage gemv-bench 540 python3 packages/backend-cuda/benchmarks/bench_dense_gemv.py ${GEMV_ARGS---quick} \
+    --output-json "$OUT/gemv.json"
+fi
 if has fixed-hf; then
   stage fixed-hf 420 $BENCH --workload fixed --num-prompts 256 --input-len 512 --output-len 512 --compare hf \
     --output-json "$OUT/fixed-hf.json"

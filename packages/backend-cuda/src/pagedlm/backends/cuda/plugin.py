@@ -50,6 +50,9 @@ def pagedlm_register_ops(register: Callable[..., None]) -> None:
         register(op, "cuda", f"{_LAYER_OPS}:{op}")
     register("gumbel_sample", "cuda", "pagedlm.backends.cuda.kernels.sampling:gumbel_sample")
     register("apply_token_bitmask", "cuda", "pagedlm.backends.cuda.kernels.bitmask:apply_token_bitmask")
+    # Full-precision linears at decode (kernels/dense_gemv.py): a Triton GEMV for the shapes its
+    # table lists, F.linear for the others.
+    register("unquantized_gemm", "cuda", "pagedlm.backends.cuda.kernels.dense_gemv:unquantized_gemm")
     # Quantized GEMMs (kernels/quant_gemm.py): Triton W4A16/W8A16, torch._scaled_mm FP8, torch._int_mm INT8.
     for op in ("wna16_gemm", "fp8_scaled_mm", "int8_scaled_mm"):
         register(op, "cuda", f"pagedlm.backends.cuda.kernels.quant_gemm:{op}")

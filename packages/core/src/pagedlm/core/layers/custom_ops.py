@@ -14,9 +14,9 @@ built outside :func:`use_ops` (most unit tests) runs core's torch code.
 
 Op names: :data:`OP_CONTRACTS` holds the contracts core's layers call; a change that adds a core
 op (a quantized GEMM, LoRA shrink/expand; ``fused_experts`` came with API 1.1, its quantized
-variants with 1.3) adds its contract there and bumps the minor ``API_VERSION``. A plugin's own
-layers may call ops of their own under a dotted name (``"myplugin.fused_gate"``), whose contract
-that plugin documents; any other name is an error.
+variants with 1.3, ``unquantized_gemm`` with 1.6) adds its contract there and bumps the minor
+``API_VERSION``. A plugin's own layers may call ops of their own under a dotted name
+(``"myplugin.fused_gate"``), whose contract that plugin documents; any other name is an error.
 """
 
 from __future__ import annotations
@@ -67,6 +67,13 @@ OP_CONTRACTS: Mapping[str, str] = MappingProxyType({
         "< V whose bit t % 32 of bitmask[r, t // 32] is clear; a row r with logit_rows[r] < 0 is skipped (logit_rows "
         "None: row r of logits is row r of the bitmask, R == S); the other entries and rows are unchanged. No host "
         "synchronisation (API 1.5; reference: pagedlm.core.structured_output.bitmask.apply_token_bitmask_reference)."
+    ),
+    # The full-precision linear (UnquantizedLinearMethod; API 1.6): decode-shaped GEMVs.
+    "unquantized_gemm": (
+        "fn(x [T, K] float16/bfloat16/float32, weight [N, K] (x's dtype), bias [N] | None) -> [T, N], a new "
+        "tensor in x's dtype: F.linear(x, weight, bias), the products accumulated in float32 and rounded once "
+        "(only the summation order may differ). An implementation may call F.linear itself for the shapes it "
+        "does not speed up. No host synchronisation."
     ),
     # Quantized GEMMs (pagedlm.core.layers.quantization; references in its utils module).
     "wna16_gemm": (

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedlm.core.layers import custom_ops
+
 __all__ = [
     "LinearMethodBase",
     "QuantizationConfig",
@@ -83,9 +85,15 @@ class LinearMethodBase(QuantizeMethodBase):
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
-    """Full precision: ``weight [N_r, K_r]`` in the model dtype, ``F.linear``."""
+    """Full precision: ``weight [N_r, K_r]`` in the model dtype; the platform's ``unquantized_gemm``
+    op when the model is built with one (a decode-shaped GEMV kernel), else ``F.linear``."""
 
     quantized = False
+
+    def __init__(self) -> None:
+        # NOTE: bound once, here: the layer makes its method in its constructor, inside the
+        # runner's custom_ops.use_ops block, so a forward makes no registry lookup.
+        self.op = custom_ops.bound_op("unquantized_gemm")
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype,
@@ -96,7 +104,14 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        if self.op is None:
+            return F.linear(x, layer.weight, bias)
+        if x.dim() == 2:
+            return self.op(x, layer.weight, bias)
+        # the op takes [T, K]: flatten the leading dimensions and restore them
+        shape = x.shape
+        out = self.op(x.reshape(-1, shape[-1]), layer.weight, bias)
+        return out.reshape(*shape[:-1], out.shape[-1])
 
 
 def set_param_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:

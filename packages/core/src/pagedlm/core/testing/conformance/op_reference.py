@@ -5,6 +5,7 @@ These repeat, step for step, the torch paths of ``RMSNorm``, ``RotaryEmbedding``
 against exactly what core computes without it. Calling the layers instead would route through
 whatever replacement is registered; tests/core checks these agree with the layers bit for bit.
 ``fused_experts`` is core's torch op itself (a function ``FusedMoE`` calls when no kernel is bound).
+``unquantized_gemm`` is the contract's float32 product rounded once (what ``F.linear`` computes on a GPU).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from pagedlm.core.layers.fused_moe.reference import fused_experts
 
 __all__ = ["cos_sin_cache", "fused_add_rms_norm", "fused_experts", "qk_norm_rotary_embedding", "rms_norm",
-           "rotary_embedding", "silu_and_mul"]
+           "rotary_embedding", "silu_and_mul", "unquantized_gemm"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,6 +70,11 @@ def qk_norm_rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+def unquantized_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return out.to(x.dtype)
 
 
 def cos_sin_cache(base: float, rotary_dim: int, max_position: int) -> torch.Tensor:

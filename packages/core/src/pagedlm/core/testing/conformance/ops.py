@@ -8,7 +8,8 @@ partial rotary, neox and GPT-J pairing, bases 1e4 and 1e6 at positions up to 32k
 experts of MoE layers (``fused_experts``) from one token to a prefill chunk, 4 to 128 experts, top-1
 to top-8, widths that are not powers of two, and another rank's experts (``expert_map``); GGUF
 matmuls and row gathers (``gguf_mul_mat``, ``gguf_get_rows``) of every kernel type on random
-blocks, for one and seven rows.
+blocks, for one and seven rows; full-precision linears (``unquantized_gemm``) at decode rows of
+Llama-3.1-8B's shapes, an odd shape with bias and a prefill chunk.
 """
 
 from __future__ import annotations
@@ -142,6 +143,17 @@ def _silu_case(shape: tuple[int, ...]) -> CaseFn:
     return run
 
 
+def _linear_case(t: int, n: int, k: int, bias: bool) -> CaseFn:
+    def run(op, device, dtype, gen):
+        x = _randn(gen, t, k).to(dtype)
+        w = _randn(gen, n, k, scale=k**-0.5).to(dtype)
+        b = _randn(gen, n).to(dtype) if bias else None
+        out = op(x.to(device), w.to(device), None if b is None else b.to(device))
+        return [("out", out, ref.unquantized_gemm(x, w, b))]
+
+    return run
+
+
 def _fused_experts_case(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
                         expert_parallel: bool = False) -> CaseFn:
     """Router logits -> softmax top-k (renormalised), experts with O(1) outputs; with
@@ -233,6 +245,11 @@ def op_cases(*, quick: bool) -> list[OpCase]:
         label = _rope_label(head, partial, neox, 1e6)
         cases.append(OpCase("qk_norm_rotary_embedding", label, _qk_norm_rotary_case(head, partial, neox, 1e6)))
     cases += [OpCase("silu_and_mul", f"x{list(s)}", _silu_case(s)) for s in ((11, 256), (11, 6144), (3, 5, 256))]
+    # decode rows of Llama-3.1-8B's o and qkv (a GEMV kernel's shapes), an odd shape, a prefill chunk
+    linear = [(1, 4096, 4096, False), (3, 77, 200, True), (4, 6144, 4096, False), (2, 1024, 2048, True),
+              (37, 256, 128, True)]
+    cases += [OpCase("unquantized_gemm", f"T={t} N={n} K={k}{' bias' if b else ''}", _linear_case(t, n, k, b))
+              for t, n, k, b in (linear[:2] if quick else linear)]
     moe = [(1, 128, 64, 8, 2, False), (37, 256, 96, 16, 4, False), (64, 128, 64, 128, 8, False),
            (200, 64, 160, 4, 1, False), (29, 128, 64, 8, 2, True)]
     if quick:
