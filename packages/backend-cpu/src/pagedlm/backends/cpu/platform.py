@@ -133,6 +133,14 @@ def kv_cache_space_gib() -> float | None:
     return float(value) if value else None
 
 
+def gguf_int8_activations() -> bool:
+    """``PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS=1``: decode steps (1-4 rows) multiply Q8_0 GGUF weights by
+    activations quantized to int8 per 32 values (``kernels/gguf_q8_act.c``) instead of the exact
+    float32 path; faster, and no longer token-identical to HF (docs/quantization.md). Off by default.
+    """
+    return os.environ.get("PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS", "0").lower() in ("1", "true", "yes")
+
+
 def available_host_memory_bytes() -> int | None:
     """Host memory that can be allocated now without swapping, or ``None`` if unknown.
 

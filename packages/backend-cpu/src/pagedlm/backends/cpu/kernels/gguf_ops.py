@@ -1,8 +1,9 @@
 """The CPU platform's GGUF ops (``gguf_mul_mat``, ``gguf_get_rows``): C kernels built at first use.
 
-``gguf_kernels.c`` is compiled with the system C compiler (``$CC``, else ``gcc``/``cc``) the first
-time a GGUF layer runs, into ``$PAGEDLM_CACHE_ROOT/cpu_kernels/gguf_<hash>.so``; the hash covers the
-source, the compiler flags and the compiler's version, so an edit or another CPU's flags build a new
+``gguf_kernels.c`` (and ``gguf_q8_act.c``, the opt-in int8-activation path for Q8_0 decode steps)
+is compiled with the system C compiler (``$CC``, else ``gcc``/``cc``) the first time a GGUF layer
+runs, into ``$PAGEDLM_CACHE_ROOT/cpu_kernels/gguf_<hash>.so``; the hash covers the sources, the
+compiler flags and the compiler's version, so an edit or another CPU's flags build a new
 file. The build writes a temporary file and renames it into place, so parallel processes (pytest
 workers) never load a half-written library. The library is loaded with ctypes (which releases the
 GIL during the call) and called on the tensors' ``data_ptr()``.
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from pagedlm.backends.cpu.platform import gguf_int8_activations
 from pagedlm.core import envs
 from pagedlm.core.logger import init_logger
 
@@ -32,7 +34,8 @@ logger = init_logger(__name__)
 
 __all__ = ["gguf_get_rows", "gguf_mul_mat", "kernel_library"]
 
-_SOURCE = Path(__file__).with_name("gguf_kernels.c")
+_SOURCES = (Path(__file__).with_name("gguf_kernels.c"), Path(__file__).with_name("gguf_q8_act.c"))
+_Q8_0 = 8
 _BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-std=gnu11")
 
 
@@ -65,7 +68,7 @@ def _build(path: Path, cc: str, flags: tuple[str, ...]) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        cmd = [cc, *flags, str(_SOURCE), "-o", tmp]
+        cmd = [cc, *flags, *map(str, _SOURCES), "-o", tmp, "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"building the CPU GGUF kernels failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}")
@@ -86,7 +89,7 @@ def _library(simd: bool) -> ctypes.CDLL:
     cc = _compiler()
     flags = (*_BASE_FLAGS, *(_simd_flags() if simd else ()))
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join((_SOURCE.read_text(), *flags, version)).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join((*(s.read_text() for s in _SOURCES), *flags, version)).encode()).hexdigest()[:16]
     path = Path(envs.cache_root()) / "cpu_kernels" / f"gguf_{key}.so"
     if not path.exists():
         logger.info("building the CPU GGUF kernels (%s) into %s", "AVX2" if simd else "scalar", path)
@@ -98,6 +101,8 @@ def _library(simd: bool) -> ctypes.CDLL:
     lib.pagedlm_gguf_get_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
     lib.pagedlm_gguf_get_rows.restype = ctypes.c_int
     lib.pagedlm_gguf_supports.argtypes = [ctypes.c_int]
+    lib.pagedlm_gguf_mul_mat_q8_act.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
+    lib.pagedlm_gguf_mul_mat_q8_act.restype = ctypes.c_int
     return lib
 
 
@@ -106,15 +111,24 @@ def supported_types() -> frozenset[int]:
     return frozenset({2, 3, 6, 7, 8, 12, 13, 14})
 
 
-def gguf_mul_mat(x: torch.Tensor, qweight: torch.Tensor, qtype: int, out_features: int) -> torch.Tensor:
-    """The ``gguf_mul_mat`` op (contract in pagedlm.core.layers.custom_ops)."""
+def gguf_mul_mat(x: torch.Tensor, qweight: torch.Tensor, qtype: int, out_features: int,
+                 int8_activations: bool | None = None) -> torch.Tensor:
+    """The ``gguf_mul_mat`` op (contract in pagedlm.core.layers.custom_ops). ``int8_activations``
+    (None: ``PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS``) sends decode steps of Q8_0 weights (1-4 rows)
+    through ``gguf_q8_act.c``: activations rounded to int8 per 32 values, integer dot products."""
     m, k = x.shape
     xf = x.contiguous() if x.dtype == torch.float32 else x.to(torch.float32).contiguous()
     if not qweight.is_contiguous():
         raise ValueError("gguf_mul_mat: qweight must be contiguous")
     out = torch.empty(m, out_features, dtype=torch.float32)
-    rc = kernel_library().pagedlm_gguf_mul_mat(qtype, qweight.data_ptr(), out_features, k, xf.data_ptr(), m,
-                                               out.data_ptr(), out_features, torch.get_num_threads())
+    if int8_activations is None:
+        int8_activations = gguf_int8_activations()
+    if int8_activations and qtype == _Q8_0 and 1 <= m <= 4 and k % 32 == 0:
+        rc = kernel_library().pagedlm_gguf_mul_mat_q8_act(qweight.data_ptr(), out_features, k, xf.data_ptr(), m,
+                                                          out.data_ptr(), out_features, torch.get_num_threads())
+    else:
+        rc = kernel_library().pagedlm_gguf_mul_mat(qtype, qweight.data_ptr(), out_features, k, xf.data_ptr(), m,
+                                                   out.data_ptr(), out_features, torch.get_num_threads())
     if rc:
         raise ValueError(f"gguf_mul_mat: ggml type {qtype} with K={k} is not supported by the CPU kernels (rc={rc})")
     return out if x.dtype == torch.float32 else out.to(x.dtype)
