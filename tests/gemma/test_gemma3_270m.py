@@ -125,11 +125,11 @@ def test_gemma3_270m_tokenizer_independent_of_transformers(gguf_path: str, hf) -
 
 def test_gemma3_270m_int8_activations_agree_with_hf(gguf_path: str, hf, monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    """The opt-in fast path (``PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS=1``: Q8_0 layers and the LM head
-    of decode steps take activations rounded to int8) is not token-identical to HF; its agreement
-    metric: every prompt follows HF's greedy tokens until HF's own top-2 logits are within 1.0 of
-    each other (a near-tie that 8-bit activations may flip), and until then our logprob of each
-    token is within 0.1 of HF's."""
+    """The opt-in fast path (``PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS=1``: the Q8_0, Q4_K and Q6_K
+    layers and the LM head of decode steps take activations rounded to int8) is not
+    token-identical to HF; its agreement metric: every prompt follows HF's greedy tokens until
+    HF's own top-2 logits are within 1.0 of each other (a near-tie that 8-bit activations may
+    flip), and until then our logprob of each token is within 0.3 of HF's."""
     from pagedlm.core.testing.hf_reference import _divergences
 
     _, _, prompt_ids, reference = hf
@@ -152,4 +152,4 @@ def test_gemma3_270m_int8_activations_agree_with_hf(gguf_path: str, hf, monkeypa
         for s in range(end):
             token = ref.token_ids[s]
             ours_lp = out.outputs[0].logprobs[s][token].logprob
-            assert abs(ours_lp - float(ref.logprobs[s, token])) < 0.1, (i, s)
+            assert abs(ours_lp - float(ref.logprobs[s, token])) < 0.3, (i, s)

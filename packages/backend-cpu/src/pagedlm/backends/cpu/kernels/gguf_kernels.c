@@ -56,7 +56,8 @@ static inline float half_to_float(const uint8_t *p) {
 
 /* ---- scalar block decoders (the reference arithmetic; used without AVX2) -------------------- */
 
-static void k4_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+/* NOTE: not static: gguf_q8_act.c reads the K-quant scales with it too */
+void k4_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     if (j < 4) {
         *sc = s[j] & 63;
         *mn = s[j + 4] & 63;

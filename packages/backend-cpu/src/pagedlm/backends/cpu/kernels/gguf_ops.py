@@ -1,6 +1,6 @@
 """The CPU platform's GGUF ops (``gguf_mul_mat``, ``gguf_get_rows``): C kernels built at first use.
 
-``gguf_kernels.c`` (and ``gguf_q8_act.c``, the opt-in int8-activation path for Q8_0 decode steps)
+``gguf_kernels.c`` (and ``gguf_q8_act.c``, the opt-in int8-activation path for decode steps)
 is compiled with the system C compiler (``$CC``, else ``gcc``/``cc``) the first time a GGUF layer
 runs, into ``$PAGEDLM_CACHE_ROOT/cpu_kernels/gguf_<hash>.so``; the hash covers the sources, the
 compiler flags and the compiler's version, so an edit or another CPU's flags build a new
@@ -35,7 +35,8 @@ logger = init_logger(__name__)
 __all__ = ["gguf_get_rows", "gguf_mul_mat", "kernel_library"]
 
 _SOURCES = (Path(__file__).with_name("gguf_kernels.c"), Path(__file__).with_name("gguf_q8_act.c"))
-_Q8_0 = 8
+#: the ggml types of the int8-activation path: Q8_0, Q4_K, Q6_K
+_INT8_ACT_TYPES = frozenset({8, 12, 14})
 _BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-std=gnu11")
 
 
@@ -101,7 +102,7 @@ def _library(simd: bool) -> ctypes.CDLL:
     lib.pagedlm_gguf_get_rows.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
     lib.pagedlm_gguf_get_rows.restype = ctypes.c_int
     lib.pagedlm_gguf_supports.argtypes = [ctypes.c_int]
-    lib.pagedlm_gguf_mul_mat_q8_act.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
+    lib.pagedlm_gguf_mul_mat_q8_act.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
     lib.pagedlm_gguf_mul_mat_q8_act.restype = ctypes.c_int
     return lib
 
@@ -114,8 +115,9 @@ def supported_types() -> frozenset[int]:
 def gguf_mul_mat(x: torch.Tensor, qweight: torch.Tensor, qtype: int, out_features: int,
                  int8_activations: bool | None = None) -> torch.Tensor:
     """The ``gguf_mul_mat`` op (contract in pagedlm.core.layers.custom_ops). ``int8_activations``
-    (None: ``PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS``) sends decode steps of Q8_0 weights (1-4 rows)
-    through ``gguf_q8_act.c``: activations rounded to int8 per 32 values, integer dot products."""
+    (None: ``PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS``) sends decode steps (1-4 rows) of Q8_0, Q4_K and
+    Q6_K weights through ``gguf_q8_act.c``: activations rounded to int8 per 32 values, integer dot
+    products."""
     m, k = x.shape
     xf = x.contiguous() if x.dtype == torch.float32 else x.to(torch.float32).contiguous()
     if not qweight.is_contiguous():
@@ -123,9 +125,9 @@ def gguf_mul_mat(x: torch.Tensor, qweight: torch.Tensor, qtype: int, out_feature
     out = torch.empty(m, out_features, dtype=torch.float32)
     if int8_activations is None:
         int8_activations = gguf_int8_activations()
-    if int8_activations and qtype == _Q8_0 and 1 <= m <= 4 and k % 32 == 0:
-        rc = kernel_library().pagedlm_gguf_mul_mat_q8_act(qweight.data_ptr(), out_features, k, xf.data_ptr(), m,
-                                                          out.data_ptr(), out_features, torch.get_num_threads())
+    if int8_activations and qtype in _INT8_ACT_TYPES and 1 <= m <= 4:
+        rc = kernel_library().pagedlm_gguf_mul_mat_q8_act(qtype, qweight.data_ptr(), out_features, k, xf.data_ptr(),
+                                                          m, out.data_ptr(), out_features, torch.get_num_threads())
     else:
         rc = kernel_library().pagedlm_gguf_mul_mat(qtype, qweight.data_ptr(), out_features, k, xf.data_ptr(), m,
                                                    out.data_ptr(), out_features, torch.get_num_threads())
