@@ -21,6 +21,8 @@
 #include <immintrin.h>
 #endif
 
+#include "gguf_common.h"
+
 enum {
     T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
     T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
@@ -29,34 +31,8 @@ enum {
 #define ROWS 4    /* decoded rows per group for a few x rows (decode: M = 1) */
 #define BATCH_M 6 /* from this many x rows on, the outer-product tiles below */
 
-/* ---- float16 -> float32 ------------------------------------------------------------------- */
-
-static inline float half_to_float(const uint8_t *p) {
-    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-    if (exp == 0x1F) {
-        bits = sign | 0x7F800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else { /* subnormal half: normalise */
-        int e = -1;
-        do { man <<= 1; e++; } while (!(man & 0x400));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3FF) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
-
 /* ---- scalar block decoders (the reference arithmetic; used without AVX2) -------------------- */
 
-/* NOTE: not static: gguf_q8_act.c reads the K-quant scales with it too */
 void k4_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     if (j < 4) {
         *sc = s[j] & 63;
@@ -302,14 +278,6 @@ static inline void decode_row(block_decoder fn, const uint8_t *row, int64_t nblo
 
 /* ---- dot products of x rows with decoded weight rows ---------------------------------------- */
 
-#ifdef __AVX2__
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
 
 /* y[m, n0 + r] for r < ROWS (all ROWS rows decoded in w, row stride K), every m < M */
 static void dot_group(const float *x, const float *w, int64_t M, int64_t K, float *y, int64_t ldy) {

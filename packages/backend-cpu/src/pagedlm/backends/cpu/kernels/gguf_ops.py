@@ -35,6 +35,8 @@ logger = init_logger(__name__)
 __all__ = ["gguf_get_rows", "gguf_mul_mat", "kernel_library"]
 
 _SOURCES = (Path(__file__).with_name("gguf_kernels.c"), Path(__file__).with_name("gguf_q8_act.c"))
+#: what the build reads: the sources and the header they share (all of it goes into the hash)
+_BUILD_INPUTS = (*_SOURCES, Path(__file__).with_name("gguf_common.h"))
 #: the ggml types of the int8-activation path: Q8_0, Q4_K, Q6_K
 _INT8_ACT_TYPES = frozenset({8, 12, 14})
 _BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-std=gnu11")
@@ -90,7 +92,8 @@ def _library(simd: bool) -> ctypes.CDLL:
     cc = _compiler()
     flags = (*_BASE_FLAGS, *(_simd_flags() if simd else ()))
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join((*(s.read_text() for s in _SOURCES), *flags, version)).encode()).hexdigest()[:16]
+    text = "\0".join((*(f.read_text() for f in _BUILD_INPUTS), *flags, version))
+    key = hashlib.sha256(text.encode()).hexdigest()[:16]
     path = Path(envs.cache_root()) / "cpu_kernels" / f"gguf_{key}.so"
     if not path.exists():
         logger.info("building the CPU GGUF kernels (%s) into %s", "AVX2" if simd else "scalar", path)

@@ -25,35 +25,13 @@
 #include <immintrin.h>
 #endif
 
+#include "gguf_common.h"
+
 #define Q8_VALUES 32
 #define Q8_BYTES 34
 #define MAX_ROWS 4 /* x rows per call of this path */
 enum { Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 
-void k4_scale_min(const uint8_t *s, int j, int *sc, int *mn); /* gguf_kernels.c */
-
-static inline float q8_half_to_float(const uint8_t *p) {
-    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-    if (exp == 0x1F) {
-        bits = sign | 0x7F800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else {
-        int e = -1;
-        do { man <<= 1; e++; } while (!(man & 0x400));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3FF) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
 
 /* one row of x (K values, K % 32 == 0) -> int16 q [K] (values -127..127), scales d [K / 32] and
  * the sums of each block's q (for the Q4_K offsets) */
@@ -76,14 +54,6 @@ static void quantize_row(const float *x, int64_t K, int16_t *q, float *d, int32_
     }
 }
 
-#ifdef __AVX2__
-static inline float q8_hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
 
 /* 32 weight values as int16 (two registers of 16), against one block of each x row: the AVX2
  * lanes of _mm256_madd_epi16 (lane l sums values 2l, 2l + 1 of each half), as the scalar code does */
@@ -112,7 +82,7 @@ static inline void dot_lanes(const int16_t *w, const int16_t *xq, int halves, fl
     }
 }
 
-/* q8_hsum's order over the 8 lanes */
+/* hsum's order over the 8 lanes */
 static inline float lanes_sum(const float *l) {
     return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
@@ -125,12 +95,12 @@ static void dot_row_q8(const uint8_t *row, int64_t nblocks, const int16_t *q, co
     for (int m = 0; m < MAX_ROWS; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nblocks; b++) {
         const uint8_t *blk = row + b * Q8_BYTES;
-        const float dw = q8_half_to_float(blk);
+        const float dw = half_to_float(blk);
         __m256i w_lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2)));
         __m256i w_hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
         for (int64_t m = 0; m < M; m++) dot32(w_lo, w_hi, q + m * K + b * Q8_VALUES, dw * d[m * nblocks + b], acc + m);
     }
-    for (int64_t m = 0; m < M; m++) y[m * ldy] = q8_hsum(acc[m]);
+    for (int64_t m = 0; m < M; m++) y[m * ldy] = hsum(acc[m]);
 #else
     float lanes[MAX_ROWS * 8] = {0};
     for (int64_t b = 0; b < nblocks; b++) {
@@ -138,7 +108,7 @@ static void dot_row_q8(const uint8_t *row, int64_t nblocks, const int16_t *q, co
         int16_t wv[32];
         for (int i = 0; i < 32; i++) wv[i] = (int8_t)blk[2 + i];
         for (int64_t m = 0; m < M; m++)
-            dot_lanes(wv, q + m * K + b * Q8_VALUES, 2, q8_half_to_float(blk) * d[m * nblocks + b], lanes + 8 * m);
+            dot_lanes(wv, q + m * K + b * Q8_VALUES, 2, half_to_float(blk) * d[m * nblocks + b], lanes + 8 * m);
     }
     for (int64_t m = 0; m < M; m++) y[m * ldy] = lanes_sum(lanes + 8 * m);
 #endif
@@ -148,7 +118,7 @@ static void dot_row_q8(const uint8_t *row, int64_t nblocks, const int16_t *q, co
 /* one Q4_K block (256 values) against the matching 8 x blocks of every row */
 static void block_q4k(const uint8_t *blk, const int16_t *q, const float *d, const int32_t *bsum, int64_t M,
                       int64_t nb32, int64_t b0, void *acc_, float *corr) {
-    const float dw = q8_half_to_float(blk), dmin = q8_half_to_float(blk + 2);
+    const float dw = half_to_float(blk), dmin = half_to_float(blk + 2);
     for (int j = 0; j < 8; j++) {
         int sc, mn;
         k4_scale_min(blk + 4, j, &sc, &mn);
@@ -180,7 +150,7 @@ static void block_q4k(const uint8_t *blk, const int16_t *q, const float *d, cons
 /* one Q6_K block (256 values) against the matching 8 x blocks of every row */
 static void block_q6k(const uint8_t *blk, const int16_t *q, const float *d, int64_t M, int64_t nb32, int64_t b0,
                       void *acc_) {
-    const float dw = q8_half_to_float(blk + 208);
+    const float dw = half_to_float(blk + 208);
     const int8_t *scales = (const int8_t *)(blk + 192);
     for (int h = 0; h < 2; h++) {
         const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
@@ -237,7 +207,7 @@ static void dot_row_k(int qtype, const uint8_t *row, int64_t K, const int16_t *q
     }
     for (int64_t m = 0; m < M; m++) {
 #ifdef __AVX2__
-        y[m * ldy] = q8_hsum(acc[m]) - corr[m];
+        y[m * ldy] = hsum(acc[m]) - corr[m];
 #else
         y[m * ldy] = lanes_sum(acc + 8 * m) - corr[m];
 #endif
