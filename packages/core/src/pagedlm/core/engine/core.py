@@ -282,13 +282,11 @@ class EngineCore:
             self.scheduler.fill_grammar_bitmask(scheduler_output)
             return self.executor.execute_model(scheduler_output, non_block=True)  # type: ignore[return-value]
         fill = self.scheduler.fill_grammar_bitmask_deferred(scheduler_output)
-        sample = _DeferredSample(self, GrammarOutput(scheduler_output.structured_output_request_ids,
-                                                     scheduler_output.grammar_bitmask), fill)
-        if fill is None:
-            sample.launch()
-        else:
-            self._deferred_sample = sample
-        return sample
+        grammar = GrammarOutput(scheduler_output.structured_output_request_ids, scheduler_output.grammar_bitmask)
+        if fill is None:  # filled already
+            return self.executor.sample_tokens(grammar, non_block=True)  # type: ignore[return-value]
+        self._deferred_sample = _DeferredSample(self, grammar, fill)
+        return self._deferred_sample
 
     def _launch_deferred_sample(self) -> None:
         """Send out the sampling of a step whose bitmask was still filling: the executor's calls
@@ -338,8 +336,6 @@ class EngineCore:
 
     def shutdown(self) -> None:
         try:
-            if getattr(self, "_deferred_sample", None) is not None:
-                self._deferred_sample.launch()  # type: ignore[union-attr]
             self._finish_kv_transfers()
         finally:
             som = self.scheduler.structured_output_manager if hasattr(self, "scheduler") else None
@@ -366,7 +362,7 @@ class _DeferredSample:
 
     __slots__ = ("_core", "_grammar", "_fill", "_future")
 
-    def __init__(self, core: EngineCore, grammar: GrammarOutput, fill: Future | None) -> None:
+    def __init__(self, core: EngineCore, grammar: GrammarOutput, fill: Future) -> None:
         self._core = core
         self._grammar = grammar
         self._fill = fill
@@ -377,10 +373,9 @@ class _DeferredSample:
             return
         core = self._core
         core._deferred_sample = None
-        if self._fill is not None:
-            som = core.scheduler.structured_output_manager
-            assert som is not None
-            som.wait_fill(self._fill)
+        som = core.scheduler.structured_output_manager
+        assert som is not None
+        som.wait_fill(self._fill)
         self._future = core.executor.sample_tokens(self._grammar, non_block=True)  # type: ignore[assignment]
 
     def result(self) -> ModelRunnerOutput:

@@ -57,22 +57,20 @@ class FillThread:
 
     def wait(self, future: Future) -> Any:
         """The fill's result (its exception raised here); restores the switch interval."""
+        start, pending = time.perf_counter(), not future.done()
         try:
-            if not future.done():
-                start = time.perf_counter()
-                try:
-                    return future.result()
-                finally:
-                    self.wait_seconds += time.perf_counter() - start
             return future.result()
         finally:
-            if self._saved_interval is not None:
-                sys.setswitchinterval(self._saved_interval)
-                self._saved_interval = None
+            if pending:
+                self.wait_seconds += time.perf_counter() - start
+            self._restore_switch_interval()
 
     def shutdown(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=5)
+        self._restore_switch_interval()
+
+    def _restore_switch_interval(self) -> None:
         if self._saved_interval is not None:
             sys.setswitchinterval(self._saved_interval)
             self._saved_interval = None
