@@ -79,16 +79,17 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
         self.num_kv_heads = num_kv_heads
 
     def precompile_metadata(self, batch_sizes, prefill_tokens, stage):
-        """Decode variants differ in ``num_splits``, which :meth:`build` picks from the batch size
-        and the longest context: every batch size gets the split counts it can be built with
-        (each power of two up to its own, for shorter contexts), each count once; then one prefill."""
-        done: set[int] = set()
-        for size in sorted(set(batch_sizes)):
+        """Decode variants differ only in whether the key range is split (the count is a runtime
+        argument of the kernels), which :meth:`build` decides from the batch size and the longest
+        context: the unsplit variant, and the split one if some batch size can be built with it;
+        then one prefill."""
+        sizes = sorted(set(batch_sizes))
+        yield sizes[0], dataclasses.replace(self.build(stage(sizes[0], sizes[0])), num_splits=1)
+        for size in sizes:
             metadata = self.build(stage(size, size))
-            for splits in (1 << k for k in range(metadata.num_splits.bit_length())):
-                if splits not in done:
-                    done.add(splits)
-                    yield size, dataclasses.replace(metadata, num_splits=splits)
+            if metadata.num_splits > 1:
+                yield size, metadata
+                break
         yield prefill_tokens, self.build(stage(prefill_tokens, 1))
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:

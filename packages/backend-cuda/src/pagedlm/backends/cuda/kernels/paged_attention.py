@@ -25,7 +25,7 @@ Causality is by absolute position: query ``i`` of a request with ``q_len`` new t
 window ``w``, ``>`` that ``- w``). This one rule covers fresh prefills, prefix-cached prompts,
 chunked-prefill continuations and decodes alike.
 
-Split-KV (flash-decoding): with ``NUM_SPLITS > 1`` each program covers one contiguous slice of
+Split-KV (flash-decoding): with ``num_splits > 1`` each program covers one contiguous slice of
 the key range and writes an unnormalised partial result plus its running max and sum;
 ``_combine_splits_kernel`` merges them. Used when there are too few (request, kv head) pairs to
 fill the GPU, i.e. small decode batches over long contexts.
@@ -43,6 +43,8 @@ from pagedlm.backends.cuda.kernels.launch import launch
 
 __all__ = ["paged_attention", "write_kv_cache", "choose_num_splits"]
 
+#: the combine kernel's split capacity (one variant up to it; choose_num_splits never exceeds it)
+MAX_COMBINED_SPLITS = 16
 # exp2 is cheaper than exp on GPUs; scores are scaled by log2(e) once so exp2 gives exp.
 _LOG2E = tl.constexpr(1.4426950408889634)
 # Triton 3.6's interpreter computes bf16 tl.dot wrongly (garbage, seen on CPU); under it the dots
@@ -77,19 +79,22 @@ def _tile_start(query_start_loc_ptr, req, BLOCK_Q: tl.constexpr):
 
 # num_reqs and the window change from step to step: specialising on their values (== 1,
 # divisible by 16) would compile new variants in the middle of a run
-@triton.jit(do_not_specialize=["num_reqs", "sliding_window"])
+# NOTE: the split count is a runtime argument (only split or not is compiled in), so one decode
+# variant serves every count: each count as a constexpr was a variant of this kernel and of the
+# combine kernel to compile at start-up (8 of 22 for Qwen3-0.6B; these two are the slowest to build).
+@triton.jit(do_not_specialize=["num_reqs", "sliding_window", "num_splits"])
 def _paged_attention_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, req_order_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr, k_scale_ptr, v_scale_ptr,
-    num_reqs, num_heads, scale, soft_cap, sliding_window,
+    num_reqs, num_heads, scale, soft_cap, sliding_window, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DECODE_ONLY: tl.constexpr, ORDERED: tl.constexpr,
+    SPLIT_KV: tl.constexpr, DECODE_ONLY: tl.constexpr, ORDERED: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr, FP8_KV: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr, FP8_KV: tl.constexpr, FP8_FP16_DOTS: tl.constexpr,
 ):
     split = tl.program_id(2)
 
@@ -148,9 +153,9 @@ def _paged_attention_kernel(
         if USE_WINDOW:
             kv_begin = tl.maximum(context_len + q_tile_start - sliding_window + 1, 0)
             kv_begin = (kv_begin // BLOCK_N) * BLOCK_N
-        if NUM_SPLITS > 1:
+        if SPLIT_KV:
             span = kv_end - kv_begin
-            per_split = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            per_split = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
             kv_lo = kv_begin + split * per_split
             kv_hi = tl.minimum(kv_lo + per_split, kv_end)
         else:
@@ -162,15 +167,23 @@ def _paged_attention_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
         bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
         head_off = kv_head * HEAD_SIZE
-        # NOTE: an FP8 cache (stored = value / scale) is rescaled tile by tile on purpose. Folding
-        # k_scale into the softmax scale and v_scale into the output (no per-element multiply)
-        # compiled worse for sm_90 (Triton 3.9, SASS): the bare fp8 -> bf16 casts were moved into
-        # the dot-operand layout, read from shared memory byte by byte (LDS.U8) with 8-byte async
-        # copies, where the multiply keeps 16-byte copies and vector loads; the multiply itself
-        # is a full-rate FMUL next to the conversions every bf16 dot of fp8 values needs.
+        # NOTE: an FP8 cache (stored = value / scale) under a 16-bit query is read as float16
+        # (exact for e4m3, one packed conversion per two values), with the dots in float16 and the
+        # scales folded into the softmax scale (k) and the output (v): on an H200 that ran
+        # Llama-3.1-8B's fp8 256 x 512/512 workload 6.5 % faster than a float32 multiply per value
+        # back to bf16 (16,762 against 15,736 out tok/s, 2026-12-02). (Folding the scales with bare
+        # fp8 -> bf16 casts compiled worse: Triton moved those casts into the dot-operand layout,
+        # read byte by byte from shared memory.) The query is clamped to float16's range first.
+        # A float32 query keeps the per-value multiply, in float32.
+        qk_scale = scale
         if FP8_KV:
             k_scale = tl.load(k_scale_ptr)
             v_scale = tl.load(v_scale_ptr)
+            if FP8_FP16_DOTS:
+                qk_scale = scale * k_scale
+                q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+                if UPCAST_DOTS:
+                    q = q.to(tl.float32)
         for start in range(kv_lo, kv_hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             pos_valid = pos < kv_hi
@@ -179,17 +192,19 @@ def _paged_attention_kernel(
             kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD_SIZE) + head_off + d[None, :]
             kv_mask = pos_valid[:, None] & d_valid[None, :]
             k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            if FP8_KV:
+            if FP8_FP16_DOTS:
+                k = k.to(tl.float16)
+            elif FP8_KV:
                 k = (k.to(tl.float32) * k_scale).to(q.dtype)
             if UPCAST_DOTS:
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
             if USE_SOFT_CAP:
                 # cap * tanh(s * scale / cap), with tanh(x) = 1 - 2 / (exp(2x) + 1)
-                x = s * (scale / soft_cap)
+                x = s * (qk_scale / soft_cap)
                 s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * _LOG2E
             else:
-                s = s * (scale * _LOG2E)
+                s = s * (qk_scale * _LOG2E)
             visible = row_valid[:, None] & pos_valid[None, :] & (pos[None, :] <= q_pos[:, None])
             if USE_WINDOW:
                 visible = visible & (pos[None, :] > q_pos[:, None] - sliding_window)
@@ -201,7 +216,9 @@ def _paged_attention_kernel(
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            if FP8_KV:
+            if FP8_FP16_DOTS:
+                v = v.to(tl.float16)
+            elif FP8_KV:
                 v = (v.to(tl.float32) * v_scale).to(q.dtype)
             p_v = p.to(v.dtype)  # P@V in the cache dtype, like every flash-attention kernel
             if UPCAST_DOTS:
@@ -209,38 +226,41 @@ def _paged_attention_kernel(
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision=DOT_PRECISION)
             m_i = m_new
+        if FP8_FP16_DOTS:
+            acc = acc * v_scale  # the partial results are linear in V: its scale once, at the end
 
         out_mask = row_valid[:, None] & d_valid[None, :]
-        if NUM_SPLITS == 1:
+        if not SPLIT_KV:
             # a row with no visible key (only padding rows) gets zeros rather than 0/0
             o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=out_mask)
         else:
-            part = (token * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M]
+            part = (token * num_heads + head) * num_splits + split  # [BLOCK_M]
             tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], acc, mask=out_mask)
             tl.store(part_max_ptr + part, m_i, mask=row_valid)
             tl.store(part_sum_ptr + part, l_i, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
-    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num_heads, stride_ot, stride_oh,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num_heads, stride_ot, stride_oh, num_splits,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):
-    """One program per (token, head): merge the splits' partial softmax results."""
+    """One program per (token, head): merge the ``num_splits <= MAX_SPLITS`` partial softmax results."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    base = (token * num_heads + head) * NUM_SPLITS
-    s = tl.arange(0, NUM_SPLITS)
+    base = (token * num_heads + head) * num_splits
+    s = tl.arange(0, MAX_SPLITS)
+    s_valid = s < num_splits
     d = tl.arange(0, HEAD_PAD)
-    m = tl.load(part_max_ptr + base + s)
-    l = tl.load(part_sum_ptr + base + s)
+    m = tl.load(part_max_ptr + base + s, mask=s_valid, other=float("-inf"))
+    l = tl.load(part_sum_ptr + base + s, mask=s_valid, other=0.0)
     m_all = tl.max(m, 0)
     m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
     w = tl.exp2(m - m_safe)  # 0 for splits that saw no key
     total = tl.sum(w * l, 0)
-    acc = tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_PAD + d[None, :])
+    acc = tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_PAD + d[None, :], mask=s_valid[:, None], other=0.0)
     o = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_SIZE)
 
@@ -271,7 +291,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 
 def choose_num_splits(num_tiles: int, num_kv_heads: int, max_seq_len: int, num_sms: int, block_n: int = 64) -> int:
     """Splits of the key range: the smallest power of two that gives about 3.5 programs per SM
-    (at most 16, and never a split shorter than two key tiles).
+    (at most :data:`MAX_COMBINED_SPLITS`, and never a split shorter than two key tiles).
 
     Why 3.5: on an H200 (132 SMs, two decode programs resident per SM) with nano-like ragged
     batches taken longest first, that is where splitting stopped paying for its partial results
@@ -279,7 +299,7 @@ def choose_num_splits(num_tiles: int, num_kv_heads: int, max_seq_len: int, num_s
     6% faster with 2 splits, 24 were 30% faster with 4, 8 were 2.7x faster with 8."""
     programs = max(1, num_tiles * num_kv_heads)
     target = 7 * num_sms // 2
-    limit = min(16, max(1, max_seq_len // (2 * block_n)))
+    limit = min(MAX_COMBINED_SPLITS, max(1, max_seq_len // (2 * block_n)))
     splits = 1
     while programs * splits < target and splits * 2 <= limit:
         splits *= 2
@@ -364,20 +384,21 @@ def paged_attention(
         out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
         req_order if ordered else seq_lens, part_acc, part_max, part_sum,
         k_scale if fp8_kv else seq_lens, v_scale if fp8_kv else seq_lens,
-        num_reqs, num_heads, float(scale), float(soft_cap or 1.0), int(sliding_window or 0),
+        num_reqs, num_heads, float(scale), float(soft_cap or 1.0), int(sliding_window or 0), num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, DECODE_ONLY=decode_only, ORDERED=ordered,
+        SPLIT_KV=num_splits > 1, DECODE_ONLY=decode_only, ORDERED=ordered,
         USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=sliding_window is not None,
         # fp32 models are the HF-parity configuration: no tf32 rounding in the dots there
         DOT_PRECISION="ieee" if fp32 else "tf32",
         UPCAST_DOTS=INTERPRET and query.dtype == torch.bfloat16, FP8_KV=fp8_kv,
+        FP8_FP16_DOTS=fp8_kv and query.dtype != torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         launch(
             _combine_splits_kernel, (num_tokens, num_heads),
-            out, part_acc, part_max, part_sum, num_heads, out.stride(0), out.stride(1),
-            HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SPLITS=num_splits, num_warps=1,
+            out, part_acc, part_max, part_sum, num_heads, out.stride(0), out.stride(1), num_splits,
+            HEAD_SIZE=head_size, HEAD_PAD=head_pad, MAX_SPLITS=max(MAX_COMBINED_SPLITS, num_splits), num_warps=1,
         )
