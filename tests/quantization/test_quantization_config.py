@@ -27,7 +27,7 @@ def _with_quant_config(tmp_path: Path, quantization_config: dict) -> str:
 
 def test_builtin_methods_register_through_the_hook():
     methods = registered_quantization_methods()
-    assert {"fp8", "compressed-tensors", "gptq", "awq"} <= set(methods)
+    assert {"fp8", "compressed-tensors", "gptq", "awq", "gguf", "int8"} <= set(methods)
     assert "core" not in get_plugins().plugin_names()
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from pagedlm.core import LLM, SamplingParams
 from pagedlm.core.testing import assert_greedy_matches_hf
@@ -143,3 +144,95 @@ def test_weights_take_the_quantized_size(quant_checkpoints, quant_base):
     fp8 = weight_bytes(quant_base, quantization="fp8")
     # embeddings and lm_head stay float32 in these tiny models; the linear layers shrink 8x / 4x
     assert w4 < 0.6 * full and fp8 < 0.7 * full, (full, w4, fp8)
+
+
+# -- quantization="int8": online per-channel int8 weight-only (the reference: HF on the base
+# checkpoint quantized by compressed-tensors with its W8A16 scheme per channel, which the method
+# reproduces: scale amax / 127.5 per output row, round half to even, clamp to [-128, 127]) --
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 64, 7), (5, 33, 9), (3, 640, 17), (4, 96, 2048), (0, 64, 8)])
+def test_cpu_op_matches_the_reference(shape, dtype):
+    from pagedlm.backends.cpu.kernels.int8_ops import int8_weight_only_gemm
+    from pagedlm.core.layers.quantization.utils import int8_weight_only_gemm_ref
+
+    t, k, n = shape
+    gen = torch.Generator().manual_seed(t * 1000 + k + n)
+    x = torch.randn(t, k, generator=gen).to(dtype)
+    weight = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, generator=gen) * 0.01 + 1e-3
+    bias = torch.randn(n, generator=gen).to(dtype)
+    out = int8_weight_only_gemm(x, weight, scale, bias)
+    ref = int8_weight_only_gemm_ref(x.float(), weight, scale.to(dtype).float(), bias.float())
+    assert out.dtype == dtype and out.shape == (t, n)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.float(), ref, atol=tol * max(1.0, float(ref.abs().max()) if t else 1.0), rtol=tol)
+
+
+def test_quantize_per_channel_rounds_like_compressed_tensors():
+    from pagedlm.core.layers.quantization.int8 import quantize_int8_per_channel
+
+    # row 0: amax 127.5, so the scale is exactly 1 and the rounding shows: half to even, then the
+    # clamp to [-128, 127]; row 1: all zeros; row 2: random, each value within half a step
+    w = torch.stack([torch.tensor([127.5, -127.5, 2.5, -0.5, 1.5]), torch.zeros(5),
+                     torch.randn(5, generator=torch.Generator().manual_seed(0))])
+    q, s = quantize_int8_per_channel(w)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (3,)
+    assert float(s[0]) == 1.0 and float(s[2]) == float(w[2].abs().max() / 127.5)
+    assert q[0].tolist() == [127, -128, 2, 0, 2]
+    assert q[1].tolist() == [0] * 5
+    assert (q[2].float() * s[2] - w[2]).abs().max() <= s[2] / 2 + 1e-7
+
+
+@pytest.fixture(scope="module")
+def w8a16_channel_reference(quant_base, tmp_path_factory):
+    pytest.importorskip("compressed_tensors")
+    from pagedlm.core.testing.quantized import make_compressed_tensors_checkpoint
+
+    return make_compressed_tensors_checkpoint(quant_base, tmp_path_factory.mktemp("w8a16ch"), "W8A16", group_size=-1)
+
+
+def test_online_int8_matches_hf_on_compressed_tensors_w8a16(quant_base, w8a16_channel_reference, capsys):
+    from pagedlm.core.testing import hf_greedy
+
+    ref = hf_greedy(w8a16_channel_reference, prompts(), MAX_NEW)
+    llm = LLM(model=quant_base, dtype="float32", device="cpu", quantization="int8")
+    assert llm.vllm_config.quant_config.get_name() == "int8"
+    forgiven = assert_greedy_matches_hf(quant_base, prompts(), MAX_NEW, llm=llm, reference=ref, logprobs=5,
+                                        logprob_atol=1e-3)
+    with capsys.disabled():
+        print(f"\n[online int8] near-ties forgiven: {forgiven}")
+    assert forgiven <= 1
+    model = llm.llm_engine.core.executor.worker.model_runner.model
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.int8
+    assert layer.mlp.down_proj.weight.dtype == torch.int8
+    # the CPU platform's op (torch._weight_int8pack_mm), not core's dequantizing reference
+    assert layer.mlp.down_proj.quant_method.weight_only_op.__module__ == "pagedlm.backends.cpu.kernels.int8_ops"
+    assert model.lm_head.weight.dtype == torch.float32  # the LM head stays in full precision
+
+
+def test_online_int8_tensor_parallel_gives_single_rank_tokens(quant_base):
+    """TP=2 (gloo): a row-parallel rank takes its rows' scales from the whole checkpoint rows, so
+    both ranks hold exactly TP=1's quantized weights."""
+    one, two = _tp_tokens(quant_base, 1, quantization="int8"), _tp_tokens(quant_base, 2, quantization="int8")
+    assert [o.token_ids for o in one] == [o.token_ids for o in two]
+
+
+def test_online_int8_weights_take_the_int8_size(quant_base):
+    def weight_bytes(**kw) -> int:
+        llm = LLM(model=quant_base, dtype="float32", device="cpu", **kw)
+        return llm.llm_engine.core.executor.worker.model_runner.model.weight_memory_bytes
+
+    full, int8 = weight_bytes(), weight_bytes(quantization="int8")
+    # embeddings and lm_head stay float32 in this tiny model; the linear layers shrink 4x
+    assert int8 < 0.7 * full, (full, int8)
+
+
+def test_int8_reads_no_checkpoint_format():
+    from pagedlm.core.layers.quantization.int8 import Int8Config
+
+    with pytest.raises(ValueError, match="int8 reads no checkpoint format \\(quant_method='gptq'\\)"):
+        Int8Config.from_config({"quant_method": "gptq"})
+    assert Int8Config.from_config({}).describe() == "int8 (online, per-channel weight-only)"

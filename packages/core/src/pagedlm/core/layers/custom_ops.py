@@ -95,6 +95,12 @@ OP_CONTRACTS: Mapping[str, str] = MappingProxyType({
         "input_scale, or per token with scale amax(|x_t|) / 127.5 when None (compressed-tensors' convention); "
         "exact int32 accumulation of x_q @ weight^T, times x_scale * weight_scale in float32, plus bias."
     ),
+    "int8_weight_only_gemm": (
+        "fn(x [T, K] float16/bfloat16/float32, weight [N, K] int8, weight_scale [N] float32, bias [N] | None) -> "
+        "[T, N] in x's dtype: x @ (weight * weight_scale)^T with the scale rounded to x's dtype, the products "
+        "accumulated in float32 (the scale may be applied to the sums), plus bias; x is not quantized "
+        "(API 1.7)."
+    ),
     "fused_experts": (
         "fn(hidden_states [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K] float32, topk_ids [T, K] "
         "int32 (global expert ids), expert_map [E_global] int32 | None) -> [T, H] in hidden_states' dtype: for "

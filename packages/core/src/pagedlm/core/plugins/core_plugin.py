@@ -23,6 +23,7 @@ def pagedlm_register_quantization_methods(register: Callable[..., None]) -> None
     register("gptq", f"{_QUANT}.gptq:GPTQConfig")
     register("awq", f"{_QUANT}.awq:AWQConfig")
     register("gguf", f"{_QUANT}.gguf:GGUFConfig")
+    register("int8", f"{_QUANT}.int8:Int8Config")
 
 
 _KVT = "pagedlm.core.distributed.kv_transfer"

@@ -8,7 +8,7 @@
 
 A method a registered class claims through ``override_quantization_method`` wins (vLLM's rule).
 Both given and disagreeing is an error. Names are the registry's (``pagedlm_register_quantization_methods``):
-core registers ``fp8``, ``compressed-tensors``, ``gptq``, ``awq`` and ``gguf`` (a ``.gguf`` model's method is
+core registers ``fp8``, ``compressed-tensors``, ``gptq``, ``awq``, ``gguf`` and ``int8`` (a ``.gguf`` model's method is
 chosen once the platform is known: :func:`pagedlm.core.layers.quantization.gguf.gguf_quant_config`).
 """
 

@@ -23,6 +23,7 @@ from pagedlm.core.layers.quantization.utils import (
     FP8_DTYPE,
     fp8_scaled_mm_ref,
     int8_scaled_mm_ref,
+    int8_weight_only_gemm_ref,
     pack_rows,
     wna16_gemm_ref,
 )
@@ -161,6 +162,9 @@ class W8A8LinearMethod(LinearMethodBase):
         self.weight_dtype = FP8_DTYPE if kind == "fp8" else torch.int8
         name = "fp8_scaled_mm" if kind == "fp8" else "int8_scaled_mm"
         self.op = custom_ops.bound_op(name) or (fp8_scaled_mm_ref if kind == "fp8" else int8_scaled_mm_ref)
+        #: int8 weights without activation quantization (W8A16)
+        self.weight_only_op = ((custom_ops.bound_op("int8_weight_only_gemm") or int8_weight_only_gemm_ref)
+                               if kind == "int8" and not act_quant else None)
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype,
@@ -193,6 +197,9 @@ class W8A8LinearMethod(LinearMethodBase):
                        {"weight_scale": scale.reshape(-1), "input_scale": input_scale})
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.weight_only_op is not None:
+            out = self.weight_only_op(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale, bias)
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         if not self.act_quant:
             w = layer.weight.to(x.dtype) * layer.weight_scale.to(x.dtype).unsqueeze(1)
             return F.linear(x, w, bias)

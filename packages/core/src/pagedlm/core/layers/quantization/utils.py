@@ -23,6 +23,7 @@ __all__ = [
     "FP8_MAX",
     "fp8_scaled_mm_ref",
     "int8_scaled_mm_ref",
+    "int8_weight_only_gemm_ref",
     "pack_cols",
     "pack_rows",
     "quantize_fp8_per_token",
@@ -142,3 +143,10 @@ def int8_scaled_mm_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def int8_weight_only_gemm_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``int8_weight_only_gemm`` op in torch: the weight dequantized in x's dtype, then ``F.linear``."""
+    w = weight.to(x.dtype) * weight_scale.to(x.dtype).reshape(-1, 1)
+    return torch.nn.functional.linear(x, w, bias)
