@@ -107,17 +107,19 @@ def test_gumbel_sample_checks():
     assert ops.check_gumbel_sample(too_hot, CPU, torch.float32, seed=0)[2].status == "FAIL"
 
 
-def test_platform_ops_of_the_cpu_platform_are_the_gguf_kernels():
+def test_platform_ops_of_the_cpu_platform_are_the_gguf_and_int8_kernels():
     from pagedlm.core.platforms import resolve_platform
     from pagedlm.core.testing.conformance.report import ConformanceReport
     from pagedlm.core.testing.conformance.runner import _run_ops
 
     registered = ops._platform_ops(resolve_platform("cpu"))
-    assert set(registered) == {"gguf_mul_mat", "gguf_get_rows"}
+    assert set(registered) == {"gguf_mul_mat", "gguf_get_rows", "int8_weight_only_gemm"}
     report = ConformanceReport(device="cpu", attention_backend="cpu_paged")
     _run_ops(resolve_platform("cpu"), CPU, [torch.float32, torch.bfloat16], True, report.results.append)
     gguf = [r for r in report.results if r.name.startswith("gguf_")]
     assert len(gguf) == 2 * 8 * 3 and all(r.status == "PASS" for r in gguf), [r.line() for r in gguf]
+    int8 = [r for r in report.results if r.name.startswith("int8_weight_only_gemm")]
+    assert len(int8) == 2 * 3 and all(r.status == "PASS" for r in int8), [r.line() for r in int8]
 
 
 # -- attention checks ----------------------------------------------------------------------------

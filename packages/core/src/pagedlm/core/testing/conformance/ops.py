@@ -9,7 +9,8 @@ experts of MoE layers (``fused_experts``) from one token to a prefill chunk, 4 t
 to top-8, widths that are not powers of two, and another rank's experts (``expert_map``); GGUF
 matmuls and row gathers (``gguf_mul_mat``, ``gguf_get_rows``) of every kernel type on random
 blocks, for one and seven rows; full-precision linears (``unquantized_gemm``) at decode rows of
-Llama-3.1-8B's shapes, an odd shape with bias and a prefill chunk.
+Llama-3.1-8B's shapes, an odd shape with bias and a prefill chunk; int8 weight-only linears
+(``int8_weight_only_gemm``) at widths that are and are not multiples of 32.
 """
 
 from __future__ import annotations
@@ -154,6 +155,21 @@ def _linear_case(t: int, n: int, k: int, bias: bool) -> CaseFn:
     return run
 
 
+def _int8_weight_only_case(t: int, n: int, k: int, bias: bool) -> CaseFn:
+    def run(op, device, dtype, gen):
+        from pagedlm.core.layers.quantization.utils import int8_weight_only_gemm_ref
+
+        x = _randn(gen, t, k).to(dtype)
+        w = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+        s = torch.rand(n, generator=gen) * (2.0 / (127 * k**0.5)) + 1e-4
+        b = _randn(gen, n).to(dtype) if bias else None
+        out = op(x.to(device), w.to(device), s.to(device), None if b is None else b.to(device))
+        want = int8_weight_only_gemm_ref(x.float(), w, s.to(dtype).float(), None if b is None else b.float())
+        return [("out", out, want.to(dtype))]
+
+    return run
+
+
 def _fused_experts_case(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
                         expert_parallel: bool = False) -> CaseFn:
     """Router logits -> softmax top-k (renormalised), experts with O(1) outputs; with
@@ -250,6 +266,9 @@ def op_cases(*, quick: bool) -> list[OpCase]:
               (37, 256, 128, True)]
     cases += [OpCase("unquantized_gemm", f"T={t} N={n} K={k}{' bias' if b else ''}", _linear_case(t, n, k, b))
               for t, n, k, b in (linear[:2] if quick else linear)]
+    int8 = [(1, 2048, 640, False), (5, 37, 96, True), (3, 17, 33, True), (32, 640, 2048, False)]
+    cases += [OpCase("int8_weight_only_gemm", f"T={t} N={n} K={k}{' bias' if b else ''}",
+                     _int8_weight_only_case(t, n, k, b)) for t, n, k, b in (int8[:3] if quick else int8)]
     moe = [(1, 128, 64, 8, 2, False), (37, 256, 96, 16, 4, False), (64, 128, 64, 128, 8, False),
            (200, 64, 160, 4, 1, False), (29, 128, 64, 8, 2, True)]
     if quick:
