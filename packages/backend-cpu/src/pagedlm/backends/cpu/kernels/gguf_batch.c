@@ -76,9 +76,8 @@ static inline __attribute__((always_inline)) void panel_sums(const float *w, con
 static void panel_sums_full(const float *w, const float *xt, int64_t K, float *sums) { panel_sums(w, xt, K, 2, sums); }
 static void panel_sums_half(const float *w, const float *xt, int64_t K, float *sums) { panel_sums(w, xt, K, 1, sums); }
 
-int mul_mat_batch(block_decoder fn, int values, int bytes, const uint8_t *w, int64_t N, int64_t K, const float *x,
-                  int64_t M, float *y, int64_t ldy, int nthreads) {
-    const int64_t nblocks = K / values, row_bytes = nblocks * bytes;
+int mul_mat_batch(row_decoder fn, int64_t nblocks, int64_t row_bytes, const uint8_t *w, int64_t N, int64_t K,
+                  const float *x, int64_t M, float *y, int64_t ldy, int nthreads) {
     const int64_t panels = (M + PANEL - 1) / PANEL, groups = (N + NW - 1) / NW;
     int64_t chunk = CHUNK_BYTES / (K * PANEL * (int64_t)sizeof(float));
     if (chunk < 1) chunk = 1;
@@ -106,7 +105,7 @@ int mul_mat_batch(block_decoder fn, int values, int bytes, const uint8_t *w, int
             for (int64_t g = 0; g < groups; g++) {
                 const int64_t n0 = g * NW, nw = N - n0 < NW ? N - n0 : NW;
                 for (int64_t r = 0; r < nw; r++)
-                    decode_row(fn, w + (n0 + r) * row_bytes, nblocks, values, bytes, buf + r * K);
+                    fn(w + (n0 + r) * row_bytes, nblocks, buf + r * K);
                 for (int64_t p = p0; p < p1; p++) {
                     const int64_t m0 = p * PANEL, rows = M - m0 < PANEL ? M - m0 : PANEL;
                     if (rows > VW) panel_sums_full(buf, xt + p * K * PANEL, K, sums);

@@ -51,19 +51,14 @@ void k4_scale_min(const uint8_t *s, int j, int *sc, int *mn);
 
 /* ---- the exact path's block decoders (gguf_kernels.c), used by gguf_batch.c too ----------- */
 
-/* one block -> its values as float32, exactly gguf_dequant.dequantize's */
-typedef void (*block_decoder)(const uint8_t *, float *);
+/* a row of nblocks blocks -> its values as float32, exactly gguf_dequant.dequantize's */
+typedef void (*row_decoder)(const uint8_t *row, int64_t nblocks, float *out);
 
-/* values per block, bytes per block, decoder; 0 when the type is not handled */
-int gguf_type_info(int qtype, int *values, int *bytes, block_decoder *fn);
-
-static inline void decode_row(block_decoder fn, const uint8_t *row, int64_t nblocks, int values, int bytes,
-                              float *out) {
-    for (int64_t i = 0; i < nblocks; i++) fn(row + i * bytes, out + i * values);
-}
+/* values per block, bytes per block, row decoder; 0 when the type is not handled */
+int gguf_type_info(int qtype, int *values, int *bytes, row_decoder *fn);
 
 /* gguf_batch.c: y = x @ W^T for BATCH_M x rows and more (returns 0, or -2 without scratch memory) */
-int mul_mat_batch(block_decoder fn, int values, int bytes, const uint8_t *w, int64_t N, int64_t K, const float *x,
-                  int64_t M, float *y, int64_t ldy, int nthreads);
+int mul_mat_batch(row_decoder fn, int64_t nblocks, int64_t row_bytes, const uint8_t *w, int64_t N, int64_t K,
+                  const float *x, int64_t M, float *y, int64_t ldy, int nthreads);
 
 #endif
