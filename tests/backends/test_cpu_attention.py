@@ -211,6 +211,23 @@ def test_uniform_batches(reqs, use_sdpa):
     check(step, impl, 16, torch.float32)
 
 
+@pytest.mark.parametrize(("heads", "head_size"), [((4, 1), 256), ((8, 2), 64), ((3, 3), 40)])
+@pytest.mark.parametrize("sliding_window", [None, 7])
+@pytest.mark.parametrize("reqs", [[(5, 1), (0, 1), (40, 1), (17, 1), (90, 1)], MIXED_BATCH], ids=["decodes", "mixed"])
+def test_decode_kernel_matches_reference(reqs, heads, head_size, sliding_window, monkeypatch):
+    """float32 decodes go through kernels/attention_decode.c (Gemma 3 270M's 4 query heads of 256 on one
+    kv head among the shapes); in a step of decodes only it also writes their K/V."""
+    calls = []
+    kernel = cpu_attention.decode_attention
+    monkeypatch.setattr(cpu_attention, "decode_attention", lambda *a: calls.append(a[-1] is not None) or kernel(*a))
+    num_heads, num_kv_heads = heads
+    step = make_step(reqs, block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                     dtype=torch.float32, seed=head_size)
+    impl = make_impl(num_heads, num_kv_heads, head_size, sliding_window=sliding_window)
+    check(step, impl, 16, torch.float32, sliding_window=sliding_window)
+    assert calls == [reqs is not MIXED_BATCH]
+
+
 def test_metadata_groups():
     step = make_step(MIXED_BATCH, block_size=16, num_heads=2, num_kv_heads=2, head_size=32, dtype=torch.float32)
     metadata = CpuAttentionMetadataBuilder(block_size=16, device=torch.device("cpu")).build(step.common)

@@ -1,4 +1,4 @@
-"""The CPU GGUF kernels (AVX2 and scalar builds) against core's dequantize-then-matmul, per type."""
+"""The CPU GGUF kernels (AVX-512, AVX2 and scalar builds) against core's dequantize-then-matmul, per type."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ _HALF_FIELDS = {
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
     "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
 }
-_BUILDS = [pytest.param(True, id="avx2"), pytest.param(False, id="scalar")]
+_BUILDS = list(gguf_ops.BUILDS)
 
 
 def _random_weight(name: str, n: int, blocks_per_row: int, seed: int = 0) -> tuple[torch.Tensor, int, int]:
@@ -34,8 +34,8 @@ def _random_weight(name: str, n: int, blocks_per_row: int, seed: int = 0) -> tup
 
 @pytest.fixture(scope="module", params=_BUILDS)
 def library(request):
-    if request.param and not gguf_ops._simd_flags():
-        pytest.skip("this CPU lacks AVX2/FMA/F16C")
+    if request.param not in gguf_ops.available_builds():
+        pytest.skip(f"this CPU cannot run the {request.param} build")
     return gguf_ops._library(request.param)
 
 
@@ -72,6 +72,37 @@ def test_mul_mat_matches_dequantize_then_matmul(name, m, n, use_library):
     out16 = gguf_ops.gguf_mul_mat(x.bfloat16(), qweight, qtype, n)
     assert out16.dtype == torch.bfloat16
     torch.testing.assert_close(out16, gguf_mul_mat_reference(x.bfloat16().float(), qweight, qtype, n).bfloat16())
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K", "Q5_1"])
+@pytest.mark.parametrize(("m", "n", "blocks"), [(6, 13, 2), (17, 37, 2), (40, 9, 3), (70, 13, 32)])
+def test_batch_tiles_match_dequantize_then_matmul(name, m, n, blocks, use_library):
+    """The batch path (from 6 rows): panels of 16/32 rows cut at odd M, groups of 6/8 weight rows
+    cut at odd N, and (blocks=32: K = 1024 or 8192) x taken in several L2-sized chunks."""
+    qweight, qtype, k = _random_weight(name, n, blocks, seed=n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    out = gguf_ops.gguf_mul_mat(x, qweight, qtype, n)
+    w = dequantize(qweight.reshape(-1), qtype, (n, k)).double()
+    exact, scale = x.double() @ w.t(), x.double().abs() @ w.abs().t()
+    assert ((out.double() - exact).abs() <= 4e-6 * scale + 1e-30).all()
+    # each output is one chain over k in order: a row's result does not depend on the batch it is in
+    assert torch.equal(gguf_ops.gguf_mul_mat(x[-6:].clone(), qweight, qtype, n), out[-6:])
+
+
+def test_vector_builds_agree_bit_for_bit_on_batches():
+    """AVX-512 and AVX2 add the same FMA chains (only the vector width differs)."""
+    builds = [b for b in gguf_ops.available_builds() if b != "scalar"]
+    if len(builds) < 2:
+        pytest.skip("this CPU runs fewer than two vector builds")
+    qweight, qtype, k = _random_weight("Q8_0", 29, 5, seed=1)
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(2))
+    outs = []
+    for build in builds:
+        out = torch.empty(37, 29)
+        assert gguf_ops._library(build).pagedlm_gguf_mul_mat(qtype, qweight.data_ptr(), 29, k, x.data_ptr(), 37,
+                                                             out.data_ptr(), 29, 2) == 0
+        outs.append(out)
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
 
 
 def test_bad_inputs_are_rejected(use_library):
@@ -115,18 +146,19 @@ def test_int8_activation_path_is_its_quantized_arithmetic(name, m, n, k_values, 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K"])
 def test_int8_activation_builds_agree_bit_for_bit(name):
-    if not gguf_ops._simd_flags():
-        pytest.skip("this CPU lacks AVX2/FMA/F16C")
+    builds = gguf_ops.available_builds()
+    if len(builds) < 2:
+        pytest.skip("this CPU runs only the scalar build")
     qweight, qtype, k = _random_weight(name, 29, 3 if name != "Q8_0" else 20, seed=3)
     x = torch.randn(4, k, generator=torch.Generator().manual_seed(4))
     outs = []
-    for simd in (True, False):
+    for build in builds:
         out = torch.empty(4, 29)
-        rc = gguf_ops._library(simd).pagedlm_gguf_mul_mat_q8_act(qtype, qweight.data_ptr(), 29, k, x.data_ptr(), 4,
+        rc = gguf_ops._library(build).pagedlm_gguf_mul_mat_q8_act(qtype, qweight.data_ptr(), 29, k, x.data_ptr(), 4,
                                                                  out.data_ptr(), 29, 2)
         assert rc == 0
         outs.append(out)
-    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
 
 
 def test_int8_activations_only_for_decode_rows_of_their_types(use_library, monkeypatch):

@@ -14,8 +14,13 @@ from absolute positions (causal, optionally a sliding window).
 Requests are split into at most two such groups: single-token decodes and multi-token
 prefill chunks. Padding every decode to the longest prefill chunk's query length would multiply
 decode work by that length, so decodes get their own ``Q = 1`` group; within a group, padding
-costs at most the spread of lengths. Nothing here is CPU-specific: every index tensor is built
-on the metadata's device, so the backend also runs (slowly) on a GPU.
+costs at most the spread of lengths. Every index tensor is built on the metadata's device, so the
+backend also runs (slowly) on a GPU.
+
+On the CPU, a float32 decode group (no soft cap) skips the gather: ``kernels/attention_decode.c``
+reads each request's keys and values in place through ``context_slots`` (and, in a step of
+decodes only, writes this step's K/V in the same call). At Gemma 3 270M's batch 32 the torch
+path took ~1.2 ms a layer, mostly the padded copies, for ~0.1 ms of arithmetic.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pagedlm.backends.cpu.kernels.attention_ops import decode_attention
 from pagedlm.core.attention import (
     AttentionBackend,
     AttentionImpl,
@@ -283,10 +289,20 @@ class CpuPagedAttentionImpl(AttentionImpl[CpuAttentionMetadata]):
         # view (not reshape): a copy would silently drop the writes below
         key_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_size)  # [num_slots, Hkv, D]
         value_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_size)
-        self._write_kv(key[:num_tokens], value[:num_tokens], key_cache, value_cache, metadata.slot_mapping[:num_tokens])
+        in_c = [self._decode_in_c(query, key_cache, group) for group in metadata.groups]
+        # a step of decodes only: the C kernel writes their K/V too (one call per layer)
+        write_in_c = in_c == [True] and self._heads_contiguous(key) and self._heads_contiguous(value)
+        slot_mapping = metadata.slot_mapping[:num_tokens].to(torch.int64)
+        if not write_in_c:
+            self._write_kv(key[:num_tokens], value[:num_tokens], key_cache, value_cache, slot_mapping)
 
-        for group in metadata.groups:
+        for group, c_kernel in zip(metadata.groups, in_c):
             num_reqs, max_q, max_s = group.num_reqs, group.max_query_len, group.max_seq_len
+            if c_kernel:
+                decode_attention(query, group.out_index, key_cache, value_cache, group.context_slots,
+                                 group.query_pos[:, 0], self.sliding_window, self.scale, out, group.out_index,
+                                 (key, value, slot_mapping) if write_in_c else None)
+                continue
             q = query.index_select(0, group.query_index.flatten()).view(num_reqs, max_q, self.num_heads, self.head_size)
             slots = group.context_slots.flatten()
             k = key_cache.index_select(0, slots).view(num_reqs, max_s, self.num_kv_heads, self.head_size)
@@ -302,6 +318,17 @@ class CpuPagedAttentionImpl(AttentionImpl[CpuAttentionMetadata]):
                 out.index_copy_(0, group.out_index, o[group.query_valid])
         return out
 
+    def _heads_contiguous(self, x: torch.Tensor) -> bool:
+        return x.stride(-1) == 1 and x.stride(-2) == self.head_size
+
+    def _decode_in_c(self, query: torch.Tensor, key_cache: torch.Tensor, group: CpuAttentionGroup) -> bool:
+        """Whether ``group`` (one query token per request) runs in ``kernels/attention_decode.c``:
+        float32 on the CPU, no soft cap, no bidirectional spans; SDPA's slot otherwise (the C
+        kernel stands in for SDPA: tests that switch SDPA off get the explicit path)."""
+        return (group.query_valid is None and self.use_sdpa and self.logits_soft_cap is None
+                and group.span_ids is None and query.device.type == "cpu" and query.dtype == torch.float32
+                and key_cache.dtype == torch.float32 and self._heads_contiguous(query))
+
     def _write_kv(
         self,
         key: torch.Tensor,
@@ -310,8 +337,8 @@ class CpuPagedAttentionImpl(AttentionImpl[CpuAttentionMetadata]):
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """Scatter ``key``/``value`` ``[T, Hkv, D]`` into the flat caches at ``slot_mapping`` ``[T]``."""
-        slots = slot_mapping.to(torch.int64)
+        """Scatter ``key``/``value`` ``[T, Hkv, D]`` into the flat caches at ``slot_mapping`` ``[T]`` int64."""
+        slots = slot_mapping
         # Negative slots mark tokens with nothing to store (padding); skip them like vLLM does.
         keep = slots >= 0
         if not bool(keep.all()):

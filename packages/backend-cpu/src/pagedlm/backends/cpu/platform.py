@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 from typing import TYPE_CHECKING
 
@@ -65,11 +66,23 @@ class CpuPlatform(Platform):
         vllm_config.enforce_eager = True
 
     def kv_cache_tensor(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Zeroed by the kernel, page by page, when first touched (``calloc`` of fresh pages):
-        start-up does not write gigabytes of zeros, and the process's resident memory grows
-        with the blocks in use instead of the whole cache. Zeros either way, as ``torch.zeros``."""
-        count = int(np.prod(shape))
-        raw = np.zeros(count * dtype.itemsize, dtype=np.uint8)
+        """Zeroed by the kernel, page by page, when first touched (an anonymous mapping of fresh
+        pages): start-up does not write gigabytes of zeros, and the process's resident memory grows
+        with the blocks in use instead of the whole cache. Zeros either way, as ``torch.zeros``.
+
+        NOTE: the mapping asks for transparent huge pages (``MADV_HUGEPAGE``; honoured where THP is
+        ``madvise`` or ``always``): a decode step writes one slot per request and layer, each into
+        a page of its own, and a first touch costs ~15 us in a VM (Gemma 3 270M at batch 32: ~7 ms
+        a step); with 2 MB pages it happens once per 2 MB, so resident memory grows by 2 MB steps.
+        """
+        nbytes = max(1, int(np.prod(shape)) * dtype.itemsize)
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                region.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # a kernel without THP: 4 kB pages
+                pass
+        raw = np.frombuffer(region, dtype=np.uint8)
         return torch.from_numpy(raw).view(dtype).view(shape)
 
     def kv_cache_memory_bytes(self, vllm_config: VllmConfig, device: torch.device) -> int:

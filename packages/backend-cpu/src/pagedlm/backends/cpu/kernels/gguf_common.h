@@ -1,6 +1,6 @@
 /*
- * What the CPU platform's two GGUF kernel files share (gguf_kernels.c, gguf_q8_act.c): inline
- * helpers, defined here once so both inline them in their loops.
+ * What the CPU platform's GGUF kernel files share (gguf_kernels.c, gguf_batch.c, gguf_q8_act.c):
+ * inline helpers, defined here once so each inlines them in its loops, and their entry points.
  */
 #ifndef PAGEDLM_GGUF_COMMON_H
 #define PAGEDLM_GGUF_COMMON_H
@@ -48,5 +48,17 @@ static inline float hsum(__m256 v) {
 
 /* NOTE: not static: defined in gguf_kernels.c, used by gguf_q8_act.c too */
 void k4_scale_min(const uint8_t *s, int j, int *sc, int *mn);
+
+/* ---- the exact path's block decoders (gguf_kernels.c), used by gguf_batch.c too ----------- */
+
+/* a row of nblocks blocks -> its values as float32, exactly gguf_dequant.dequantize's */
+typedef void (*row_decoder)(const uint8_t *row, int64_t nblocks, float *out);
+
+/* values per block, bytes per block, row decoder; 0 when the type is not handled */
+int gguf_type_info(int qtype, int *values, int *bytes, row_decoder *fn);
+
+/* gguf_batch.c: y = x @ W^T for BATCH_M x rows and more (returns 0, or -2 without scratch memory) */
+int mul_mat_batch(row_decoder fn, int64_t nblocks, int64_t row_bytes, const uint8_t *w, int64_t N, int64_t K,
+                  const float *x, int64_t M, float *y, int64_t ldy, int nthreads);
 
 #endif

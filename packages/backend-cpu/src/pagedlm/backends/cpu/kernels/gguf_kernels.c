@@ -6,8 +6,7 @@
  * a small scratch buffer (the exact values of pagedlm's torch dequantizer, gguf_dequant.py: the same
  * float32 products, no fused multiply-add inside the decode) and multiplies every row of x by them,
  * so one decode serves the whole batch: for a few x rows (decode steps) as dot products of ROWS
- * decoded rows, for BATCH_M rows and more as 6 x 16 outer-product register tiles over TILE_N
- * decoded rows packed k-major (the BLAS micro-kernel shape: 12 FMAs per 2 loads + 6 broadcasts).
+ * decoded rows here, for BATCH_M rows and more as register tiles in gguf_batch.c.
  *
  * NOTE: compiled with -ffp-contract=off so the decode's "a * b - c" stays two roundings like the
  * torch reference; the dot products use explicit FMA (summation order differs from BLAS only).
@@ -29,7 +28,7 @@ enum {
 };
 
 #define ROWS 4    /* decoded rows per group for a few x rows (decode: M = 1) */
-#define BATCH_M 6 /* from this many x rows on, the outer-product tiles below */
+#define BATCH_M 6 /* from this many x rows on, gguf_batch.c's register tiles */
 
 /* ---- scalar block decoders (the reference arithmetic; used without AVX2) -------------------- */
 
@@ -183,11 +182,20 @@ static void dq_q5_0(const uint8_t *b, float *out) {
 }
 
 static void dq_q8_0(const uint8_t *b, float *out) {
+#ifdef __AVX512F__
+    /* the decode of the LM head and most linear layers of the default model: half the instructions */
+    __m512 d = _mm512_set1_ps(half_to_float(b));
+    for (int i = 0; i < 2; i++) {
+        __m128i q = _mm_loadu_si128((const __m128i *)(b + 2 + 16 * i));
+        _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d));
+    }
+#else
     __m256 d = _mm256_set1_ps(half_to_float(b));
     for (int i = 0; i < 4; i++) {
         __m128i q = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i));
         _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
     }
+#endif
 }
 
 static void dq_q4_k(const uint8_t *b, float *out) {
@@ -254,26 +262,34 @@ static void dq_q6_k(const uint8_t *b, float *out) {
 #define dq_q6_k dq_q6_k_scalar
 #endif
 
-typedef void (*block_decoder)(const uint8_t *, float *);
+/* A row per call, the block decoder inlined into its loop: one indirect call per row, not per
+ * block (a hot Q8_0 block decodes in ~5 cycles, about what a call through a pointer costs). */
+#define ROW_DECODER(name, block, values, bytes)                                               \
+    static void name(const uint8_t *row, int64_t nblocks, float *out) {                       \
+        for (int64_t i = 0; i < nblocks; i++) block(row + i * (bytes), out + i * (values));  \
+    }
+ROW_DECODER(row_q4_0, dq_q4_0, 32, 18)
+ROW_DECODER(row_q4_1, dq_q4_1_scalar, 32, 20)
+ROW_DECODER(row_q5_0, dq_q5_0, 32, 22)
+ROW_DECODER(row_q5_1, dq_q5_1_scalar, 32, 24)
+ROW_DECODER(row_q8_0, dq_q8_0, 32, 34)
+ROW_DECODER(row_q4_k, dq_q4_k, 256, 144)
+ROW_DECODER(row_q5_k, dq_q5_k, 256, 176)
+ROW_DECODER(row_q6_k, dq_q6_k, 256, 210)
 
-/* values per block, bytes per block, decoder; 0 when the type is not handled here */
-static int type_info(int qtype, int *values, int *bytes, block_decoder *fn) {
+/* values per block, bytes per block, row decoder; 0 when the type is not handled here */
+int gguf_type_info(int qtype, int *values, int *bytes, row_decoder *fn) {
     switch (qtype) {
-    case T_Q4_0: *values = 32; *bytes = 18; *fn = dq_q4_0; return 1;
-    case T_Q4_1: *values = 32; *bytes = 20; *fn = dq_q4_1_scalar; return 1;
-    case T_Q5_0: *values = 32; *bytes = 22; *fn = dq_q5_0; return 1;
-    case T_Q5_1: *values = 32; *bytes = 24; *fn = dq_q5_1_scalar; return 1;
-    case T_Q8_0: *values = 32; *bytes = 34; *fn = dq_q8_0; return 1;
-    case T_Q4_K: *values = 256; *bytes = 144; *fn = dq_q4_k; return 1;
-    case T_Q5_K: *values = 256; *bytes = 176; *fn = dq_q5_k; return 1;
-    case T_Q6_K: *values = 256; *bytes = 210; *fn = dq_q6_k; return 1;
+    case T_Q4_0: *values = 32; *bytes = 18; *fn = row_q4_0; return 1;
+    case T_Q4_1: *values = 32; *bytes = 20; *fn = row_q4_1; return 1;
+    case T_Q5_0: *values = 32; *bytes = 22; *fn = row_q5_0; return 1;
+    case T_Q5_1: *values = 32; *bytes = 24; *fn = row_q5_1; return 1;
+    case T_Q8_0: *values = 32; *bytes = 34; *fn = row_q8_0; return 1;
+    case T_Q4_K: *values = 256; *bytes = 144; *fn = row_q4_k; return 1;
+    case T_Q5_K: *values = 256; *bytes = 176; *fn = row_q5_k; return 1;
+    case T_Q6_K: *values = 256; *bytes = 210; *fn = row_q6_k; return 1;
     default: return 0;
     }
-}
-
-static inline void decode_row(block_decoder fn, const uint8_t *row, int64_t nblocks, int values, int bytes,
-                              float *out) {
-    for (int64_t i = 0; i < nblocks; i++) fn(row + i * bytes, out + i * values);
 }
 
 /* ---- dot products of x rows with decoded weight rows ---------------------------------------- */
@@ -337,64 +353,13 @@ static void dot_row(const float *x, const float *w, int64_t M, int64_t K, float 
     }
 }
 
-/* ---- batches: outer-product tiles ------------------------------------------------------------ */
-
-#define TILE_N 16 /* decoded rows per tile, packed k-major: p[k * TILE_N + r] */
-#define TILE_M 6  /* x rows per register tile: 6 x 16 accumulators in 12 ymm registers */
-
-/* y[m, n0 .. n0 + TILE_N) for every m, from the packed tile p (each output sums k in order). */
-static void tile_outer(const float *x, const float *p, int64_t M, int64_t K, float *y, int64_t ldy) {
-#ifdef __AVX2__
-    int64_t m = 0;
-    for (; m + TILE_M <= M; m += TILE_M) {
-        const float *xr = x + m * K;
-        __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
-               c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-        for (int64_t k = 0; k < K; k++) {
-            __m256 b0 = _mm256_loadu_ps(p + k * TILE_N), b1 = _mm256_loadu_ps(p + k * TILE_N + 8), a;
-            a = _mm256_broadcast_ss(xr + k); c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01);
-            a = _mm256_broadcast_ss(xr + K + k); c10 = _mm256_fmadd_ps(a, b0, c10); c11 = _mm256_fmadd_ps(a, b1, c11);
-            a = _mm256_broadcast_ss(xr + 2 * K + k); c20 = _mm256_fmadd_ps(a, b0, c20); c21 = _mm256_fmadd_ps(a, b1, c21);
-            a = _mm256_broadcast_ss(xr + 3 * K + k); c30 = _mm256_fmadd_ps(a, b0, c30); c31 = _mm256_fmadd_ps(a, b1, c31);
-            a = _mm256_broadcast_ss(xr + 4 * K + k); c40 = _mm256_fmadd_ps(a, b0, c40); c41 = _mm256_fmadd_ps(a, b1, c41);
-            a = _mm256_broadcast_ss(xr + 5 * K + k); c50 = _mm256_fmadd_ps(a, b0, c50); c51 = _mm256_fmadd_ps(a, b1, c51);
-        }
-        float *yr = y + m * ldy;
-        _mm256_storeu_ps(yr, c00); _mm256_storeu_ps(yr + 8, c01); yr += ldy;
-        _mm256_storeu_ps(yr, c10); _mm256_storeu_ps(yr + 8, c11); yr += ldy;
-        _mm256_storeu_ps(yr, c20); _mm256_storeu_ps(yr + 8, c21); yr += ldy;
-        _mm256_storeu_ps(yr, c30); _mm256_storeu_ps(yr + 8, c31); yr += ldy;
-        _mm256_storeu_ps(yr, c40); _mm256_storeu_ps(yr + 8, c41); yr += ldy;
-        _mm256_storeu_ps(yr, c50); _mm256_storeu_ps(yr + 8, c51);
-    }
-    for (; m < M; m++) {
-        const float *xr = x + m * K;
-        __m256 c0 = _mm256_setzero_ps(), c1 = c0;
-        for (int64_t k = 0; k < K; k++) {
-            __m256 a = _mm256_broadcast_ss(xr + k);
-            c0 = _mm256_fmadd_ps(a, _mm256_loadu_ps(p + k * TILE_N), c0);
-            c1 = _mm256_fmadd_ps(a, _mm256_loadu_ps(p + k * TILE_N + 8), c1);
-        }
-        _mm256_storeu_ps(y + m * ldy, c0);
-        _mm256_storeu_ps(y + m * ldy + 8, c1);
-    }
-#else
-    for (int64_t m = 0; m < M; m++)
-        for (int r = 0; r < TILE_N; r++) {
-            float acc = 0.0f;
-            for (int64_t k = 0; k < K; k++) acc += x[m * K + k] * p[k * TILE_N + r];
-            y[m * ldy + r] = acc;
-        }
-#endif
-}
-
 /* ---- entry points --------------------------------------------------------------------------- */
 
 /* Whether qtype is handled (1) or not (0). */
 int pagedlm_gguf_supports(int qtype) {
     int v, b;
-    block_decoder fn;
-    return type_info(qtype, &v, &b, &fn);
+    row_decoder fn;
+    return gguf_type_info(qtype, &v, &b, &fn);
 }
 
 /* 1 when compiled with AVX2 + FMA, 0 for the scalar build. */
@@ -414,40 +379,12 @@ int pagedlm_gguf_simd(void) {
 int pagedlm_gguf_mul_mat(int qtype, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y,
                          int64_t ldy, int nthreads) {
     int values, bytes;
-    block_decoder fn;
-    if (!type_info(qtype, &values, &bytes, &fn) || K % values) return -1;
+    row_decoder fn;
+    if (!gguf_type_info(qtype, &values, &bytes, &fn) || K % values) return -1;
     const int64_t nblocks = K / values, row_bytes = nblocks * bytes;
     int failed = 0;
     if (nthreads < 1) nthreads = 1;
-    if (M >= BATCH_M && N >= TILE_N) { /* enough x rows to amortise packing: outer-product tiles of TILE_N rows */
-        const int64_t tiles = N / TILE_N;
-        int threads = tiles < nthreads ? (int)tiles : nthreads;
-#pragma omp parallel num_threads(threads) reduction(|: failed)
-        {
-            float *rows = (float *)aligned_alloc(64, (size_t)(2 * TILE_N * K * sizeof(float)));
-            if (rows == NULL) {
-                failed = 1;
-            } else {
-                float *packed = rows + TILE_N * K;
-#pragma omp for schedule(static)
-                for (int64_t t = 0; t < tiles; t++) {
-                    int64_t n0 = t * TILE_N;
-                    for (int r = 0; r < TILE_N; r++)
-                        decode_row(fn, w + (n0 + r) * row_bytes, nblocks, values, bytes, rows + r * K);
-                    for (int64_t k = 0; k < K; k++)
-                        for (int r = 0; r < TILE_N; r++) packed[k * TILE_N + r] = rows[r * K + k];
-                    tile_outer(x, packed, M, K, y + n0, ldy);
-                }
-                free(rows);
-            }
-        }
-        if (failed || tiles * TILE_N == N) return failed ? -2 : 0;
-        /* the last N % TILE_N rows: the row-group path below */
-        const int64_t done = tiles * TILE_N;
-        w += done * row_bytes;
-        y += done;
-        N -= done;
-    }
+    if (M >= BATCH_M) return mul_mat_batch(fn, nblocks, row_bytes, w, N, K, x, M, y, ldy, nthreads);
     const int64_t groups = (N + ROWS - 1) / ROWS;
     if (groups < nthreads) nthreads = (int)groups;
 #pragma omp parallel num_threads(nthreads) reduction(|: failed)
@@ -460,11 +397,11 @@ int pagedlm_gguf_mul_mat(int qtype, const uint8_t *w, int64_t N, int64_t K, cons
             for (int64_t g = 0; g < groups; g++) {
                 int64_t n0 = g * ROWS;
                 if (n0 + ROWS <= N) {
-                    for (int r = 0; r < ROWS; r++) decode_row(fn, w + (n0 + r) * row_bytes, nblocks, values, bytes, buf + r * K);
+                    for (int r = 0; r < ROWS; r++) fn(w + (n0 + r) * row_bytes, nblocks, buf + r * K);
                     dot_group(x, buf, M, K, y + n0, ldy);
                 } else {
                     for (int64_t n = n0; n < N; n++) {
-                        decode_row(fn, w + n * row_bytes, nblocks, values, bytes, buf);
+                        fn(w + n * row_bytes, nblocks, buf);
                         dot_row(x, buf, M, K, y + n, ldy);
                     }
                 }
@@ -480,13 +417,13 @@ int pagedlm_gguf_mul_mat(int qtype, const uint8_t *w, int64_t N, int64_t K, cons
 int pagedlm_gguf_get_rows(int qtype, const uint8_t *w, int64_t N, int64_t K, const int64_t *ids, int64_t T,
                           float *out, int nthreads) {
     int values, bytes;
-    block_decoder fn;
-    if (!type_info(qtype, &values, &bytes, &fn) || K % values) return -1;
+    row_decoder fn;
+    if (!gguf_type_info(qtype, &values, &bytes, &fn) || K % values) return -1;
     for (int64_t t = 0; t < T; t++)
         if (ids[t] < 0 || ids[t] >= N) return -3;
     const int64_t nblocks = K / values, row_bytes = nblocks * bytes;
     if (T < 64) nthreads = 1; /* a decode step's few rows: a parallel region costs more than it saves */
 #pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static)
-    for (int64_t t = 0; t < T; t++) decode_row(fn, w + ids[t] * row_bytes, nblocks, values, bytes, out + t * K);
+    for (int64_t t = 0; t < T; t++) fn(w + ids[t] * row_bytes, nblocks, out + t * K);
     return 0;
 }

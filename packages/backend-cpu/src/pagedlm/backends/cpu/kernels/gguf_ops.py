@@ -8,7 +8,8 @@ file. The build writes a temporary file and renames it into place, so parallel p
 workers) never load a half-written library. The library is loaded with ctypes (which releases the
 GIL during the call) and called on the tensors' ``data_ptr()``.
 
-Flags: ``-mavx2 -mfma -mf16c`` when the CPU has them (else the portable scalar code), ``-fopenmp``
+Flags: ``-mavx2 -mfma -mf16c`` when the CPU has them, plus ``-mavx512f`` where it has AVX-512F
+(512-bit batch tiles and Q8_0 decode; else the portable scalar code), ``-fopenmp``
 for threads (the loaded libgomp is torch's; see the C file), ``-ffp-contract=off`` (the decode
 rounds like the torch reference). The thread count is torch's (``torch.get_num_threads()``).
 """
@@ -34,7 +35,8 @@ logger = init_logger(__name__)
 
 __all__ = ["gguf_get_rows", "gguf_mul_mat", "kernel_library"]
 
-_SOURCES = (Path(__file__).with_name("gguf_kernels.c"), Path(__file__).with_name("gguf_q8_act.c"))
+_SOURCES = tuple(Path(__file__).with_name(f)
+                 for f in ("gguf_kernels.c", "gguf_batch.c", "gguf_q8_act.c", "attention_decode.c"))
 #: what the build reads: the sources and the header they share (all of it goes into the hash)
 _BUILD_INPUTS = (*_SOURCES, Path(__file__).with_name("gguf_common.h"))
 #: the ggml types of the int8-activation path: Q8_0, Q4_K, Q6_K
@@ -53,10 +55,19 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+#: the builds, best first: name -> (the CPU flags it needs, the compiler flags it adds)
+BUILDS = {
+    "avx512": ({"avx2", "fma", "f16c", "avx512f"}, ("-mavx2", "-mfma", "-mf16c", "-mavx512f")),
+    "avx2": ({"avx2", "fma", "f16c"}, ("-mavx2", "-mfma", "-mf16c")),
+    "scalar": (set(), ()),
+}
+
+
 @functools.cache
-def _simd_flags() -> tuple[str, ...]:
+def available_builds() -> tuple[str, ...]:
+    """The builds this CPU runs, best first (``"scalar"`` always)."""
     have = _cpu_flags()
-    return ("-mavx2", "-mfma", "-mf16c") if {"avx2", "fma", "f16c"} <= have else ()
+    return tuple(name for name, (needs, _) in BUILDS.items() if needs <= have)
 
 
 def _compiler() -> str:
@@ -83,20 +94,20 @@ def _build(path: Path, cc: str, flags: tuple[str, ...]) -> None:
 
 def kernel_library() -> ctypes.CDLL:
     """The compiled kernels for this CPU (built now if this source/flags/compiler has no cached build)."""
-    return _library(bool(_simd_flags()))
+    return _library(available_builds()[0])
 
 
 @functools.cache
-def _library(simd: bool) -> ctypes.CDLL:
-    """The AVX2 build (``simd``; only where the CPU has it) or the portable scalar one (tests use both)."""
+def _library(build: str) -> ctypes.CDLL:
+    """One of ``BUILDS`` (only those in ``available_builds()`` run here; tests compare them)."""
     cc = _compiler()
-    flags = (*_BASE_FLAGS, *(_simd_flags() if simd else ()))
+    flags = (*_BASE_FLAGS, *BUILDS[build][1])
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     text = "\0".join((*(f.read_text() for f in _BUILD_INPUTS), *flags, version))
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
     path = Path(envs.cache_root()) / "cpu_kernels" / f"gguf_{key}.so"
     if not path.exists():
-        logger.info("building the CPU GGUF kernels (%s) into %s", "AVX2" if simd else "scalar", path)
+        logger.info("building the CPU GGUF kernels (%s) into %s", build, path)
         _build(path, cc, flags)
     lib = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
