@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pagedlm.core.layers.quantization.base_config import QuantizationConfig
-from pagedlm.core.layers.quantization.schemes import W8A8LinearMethod, new_param
+from pagedlm.core.layers.quantization.schemes import W8A8LinearMethod, online_quantized_weight
 from pagedlm.core.layers.quantization.utils import FP8_DTYPE, FP8_MAX
 
 __all__ = ["Fp8Config", "Fp8OnlineLinearMethod"]
@@ -37,27 +37,12 @@ class Fp8OnlineLinearMethod(W8A8LinearMethod):
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype,
                        **extra_weight_attrs: Any) -> None:
-        n = sum(output_partition_sizes)
-        scale = new_param(layer, "weight_scale", (n,), torch.float32, optional_in_checkpoint=True,
-                          dummy_init=_dummy_scale)
-        scale.data.fill_(1.0)
+        def quantize(src: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            s = full.float().abs().amax().clamp(min=1e-12) / FP8_MAX
+            return (src.float() / s.to(src.device)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), s
 
-        def load_shard(dst: torch.Tensor, src: torch.Tensor, full: torch.Tensor, offset: int, size: int) -> None:
-            if tuple(dst.shape) != tuple(src.shape):
-                raise ValueError(f"{layer.prefix}: checkpoint tensor has shape {tuple(src.shape)}, this rank's "
-                                 f"parameter expects {tuple(dst.shape)}")
-            amax = full.float().abs().amax().clamp(min=1e-12)
-            s = amax / FP8_MAX
-            dst.copy_((src.to(dst.device).float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))
-            scale.data[offset : offset + size] = s.to(scale.device)
-
-        new_param(layer, "weight", (n, input_size_per_partition), FP8_DTYPE, output_dim=0, input_dim=1,
-                  **extra_weight_attrs)
-        layer.weight.load_shard = load_shard
-
-
-def _dummy_scale(param: torch.Tensor, gen: torch.Generator) -> None:
-    param.data.fill_(1e-3)
+        online_quantized_weight(layer, sum(output_partition_sizes), input_size_per_partition, FP8_DTYPE, quantize,
+                                **extra_weight_attrs)
 
 
 class Fp8Config(QuantizationConfig):

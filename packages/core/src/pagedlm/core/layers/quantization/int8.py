@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pagedlm.core.layers.quantization.base_config import QuantizationConfig
-from pagedlm.core.layers.quantization.schemes import W8A8LinearMethod, new_param
+from pagedlm.core.layers.quantization.schemes import W8A8LinearMethod, online_quantized_weight
 from pagedlm.core.layers.quantization.utils import INT8_SCALE_DIVISOR
 
 __all__ = ["Int8Config", "Int8OnlineLinearMethod", "quantize_int8_per_channel"]
@@ -45,29 +45,14 @@ class Int8OnlineLinearMethod(W8A8LinearMethod):
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype,
                        **extra_weight_attrs: Any) -> None:
-        n = sum(output_partition_sizes)
-        scale = new_param(layer, "weight_scale", (n,), torch.float32, optional_in_checkpoint=True,
-                          dummy_init=_dummy_scale)
-        scale.data.fill_(1.0)
-
-        def load_shard(dst: torch.Tensor, src: torch.Tensor, full: torch.Tensor, offset: int, size: int) -> None:
-            if tuple(dst.shape) != tuple(src.shape):
-                raise ValueError(f"{layer.prefix}: checkpoint tensor has shape {tuple(src.shape)}, this rank's "
-                                 f"parameter expects {tuple(dst.shape)}")
+        def quantize(src: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             # NOTE: a row-parallel rank holds part of every row (its input slice): the maxima come
             # from the whole checkpoint rows, so the ranks' scales agree; elsewhere src has whole rows.
-            row_amax = full.float().abs().amax(dim=1) if src.shape[1] != full.shape[1] else None
-            q, s = quantize_int8_per_channel(src.to(dst.device), row_amax)
-            dst.copy_(q)
-            scale.data[offset : offset + size] = s.to(scale.device)
+            row_amax = full.float().abs().amax(dim=1).to(src.device) if src.shape[1] != full.shape[1] else None
+            return quantize_int8_per_channel(src, row_amax)
 
-        new_param(layer, "weight", (n, input_size_per_partition), torch.int8, output_dim=0, input_dim=1,
-                  **extra_weight_attrs)
-        layer.weight.load_shard = load_shard
-
-
-def _dummy_scale(param: torch.Tensor, gen: torch.Generator) -> None:
-    param.data.fill_(1e-3)
+        online_quantized_weight(layer, sum(output_partition_sizes), input_size_per_partition, torch.int8, quantize,
+                                **extra_weight_attrs)
 
 
 class Int8Config(QuantizationConfig):

@@ -11,6 +11,7 @@ core's torch reference in :mod:`.utils` runs.
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +29,8 @@ from pagedlm.core.layers.quantization.utils import (
     wna16_gemm_ref,
 )
 
-__all__ = ["W8A8LinearMethod", "WNA16LinearMethod", "new_param", "replace_params", "same_for_every_shard"]
+__all__ = ["W8A8LinearMethod", "WNA16LinearMethod", "new_param", "online_quantized_weight", "replace_params",
+           "same_for_every_shard"]
 
 WNA16_BITS = (4, 8)
 
@@ -68,6 +70,33 @@ def same_for_every_shard(param: torch.Tensor, what: str) -> None:
         seen["n"] += 1
 
     param.load_shard = load_shard  # type: ignore[attr-defined]
+
+
+def online_quantized_weight(layer: nn.Module, n: int, k: int, dtype: torch.dtype,
+                            quantize: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                            **extra_weight_attrs: Any) -> None:
+    """Register ``weight [n, k]`` in ``dtype`` and ``weight_scale [n]`` float32, both written while
+    the checkpoint's full-precision tensors load (online quantization: no full-precision copy):
+    ``quantize(src, full) -> (values, scale)`` gets this rank's slice of one checkpoint tensor
+    (on the weight's device) and the whole tensor; ``scale`` is one value or one per row of src."""
+    scale = new_param(layer, "weight_scale", (n,), torch.float32, optional_in_checkpoint=True,
+                      dummy_init=_dummy_online_scale)
+    scale.data.fill_(1.0)
+
+    def load_shard(dst: torch.Tensor, src: torch.Tensor, full: torch.Tensor, offset: int, size: int) -> None:
+        if tuple(dst.shape) != tuple(src.shape):
+            raise ValueError(f"{layer.prefix}: checkpoint tensor has shape {tuple(src.shape)}, this rank's "
+                             f"parameter expects {tuple(dst.shape)}")
+        values, s = quantize(src.to(dst.device), full)
+        dst.copy_(values)
+        scale.data[offset : offset + size] = s.to(scale.device)
+
+    new_param(layer, "weight", (n, k), dtype, output_dim=0, input_dim=1, **extra_weight_attrs)
+    layer.weight.load_shard = load_shard  # type: ignore[attr-defined]
+
+
+def _dummy_online_scale(param: torch.Tensor, gen: torch.Generator) -> None:
+    param.data.fill_(1e-3)
 
 
 def _dummy_positive(param: torch.Tensor, gen: torch.Generator) -> None:
