@@ -298,7 +298,8 @@ class MultiprocExecutor(Executor):
                     return results
             waiting = [c for r, c in enumerate(workers.conns) if r not in answered]
             ready = mp_connection.wait([*waiting, *sentinel_rank], timeout=timeout)
-            # Messages first: a rank that reported an error is named by its error.
+            # Messages first: a rank that reported an error is named by its error, unless a
+            # peer has died (its death is the cause: the survivors' collectives then fail).
             for obj in ready:
                 rank = conn_rank.get(id(obj))
                 if rank is None:
@@ -308,6 +309,9 @@ class MultiprocExecutor(Executor):
                 except (EOFError, OSError):
                     self._fail(workers.death_message(rank))
                 if status == "error":
+                    dead = [r for r, p in enumerate(workers.procs) if r != rank and not p.is_alive()]
+                    if dead:  # a peer died first: this rank's error (a broken collective) follows from it
+                        self._fail(workers.death_message(dead[0]))
                     summary = str(value).strip().splitlines()[-1]
                     self._fail(f"pagedlm worker rank {rank} raised an error; the engine cannot continue: "
                                f"{summary}\n{value}")
