@@ -162,12 +162,13 @@ def test_int8_activation_builds_agree_bit_for_bit(name):
 
 
 def test_int8_activations_only_for_decode_rows_of_their_types(use_library, monkeypatch):
-    """Batches (more than 4 rows) and other types take the exact path whatever the setting; the
-    environment variable switches the path on."""
+    """Batches (more than 4 rows) take the exact path whatever the setting unless the CPU has AMX
+    (then gguf_amx.c), other types always; the environment variable switches the path on."""
     qweight, qtype, k = _random_weight("Q8_0", 9, 2)
     x = torch.randn(5, k)
     exact = gguf_ops.gguf_mul_mat(x, qweight, qtype, 9, int8_activations=False)
-    assert torch.equal(gguf_ops.gguf_mul_mat(x, qweight, qtype, 9, int8_activations=True), exact)
+    batch = gguf_ops.gguf_mul_mat(x, qweight, qtype, 9, int8_activations=True)
+    assert torch.equal(batch, exact) != gguf_ops.amx_available()
     q5k, q5k_type, k5 = _random_weight("Q5_K", 9, 1)
     x5 = torch.randn(1, k5)
     assert torch.equal(gguf_ops.gguf_mul_mat(x5, q5k, q5k_type, 9, int8_activations=True),
@@ -178,3 +179,33 @@ def test_int8_activations_only_for_decode_rows_of_their_types(use_library, monke
     monkeypatch.setenv("PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS", "0")
     assert torch.equal(fast, gguf_ops.gguf_mul_mat(one, qweight, qtype, 9, int8_activations=True))
     assert not torch.equal(fast, gguf_ops.gguf_mul_mat(one, qweight, qtype, 9))
+
+
+_needs_amx = pytest.mark.skipif(not gguf_ops.amx_available(), reason="this CPU has no AMX-INT8 (the batched "
+                                "int8-activation path runs only there; elsewhere batches take the exact path)")
+
+
+@_needs_amx
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize(("m", "n", "k_values"), [(5, 13, 256), (17, 130, 512), (40, 37, 2048), (300, 33, 512)])
+def test_amx_batches_are_the_quantized_arithmetic(name, m, n, k_values):
+    """gguf_amx.c: tiles of 16 weight rows x 16 x rows (partial tiles at both ends, more than one
+    256-row chunk of x at m = 300) equal the int8-activation arithmetic up to float32 rounding."""
+    block = 32 if name == "Q8_0" else 256
+    qweight, qtype, k = _random_weight(name, n, k_values // block, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
+    x[1, 32:64] = 0.0
+    got = gguf_ops.gguf_mul_mat(x, qweight, qtype, n, int8_activations=True)
+    want = _int8_act_reference(x, qweight, qtype, k)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+
+
+@_needs_amx
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K"])
+def test_amx_row_results_do_not_depend_on_the_batch(name):
+    block = 32 if name == "Q8_0" else 256
+    qweight, qtype, k = _random_weight(name, 21, 512 // block, seed=7)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(8))
+    whole = gguf_ops.gguf_mul_mat(x, qweight, qtype, 21, int8_activations=True)
+    part = gguf_ops.gguf_mul_mat(x[33:40].contiguous(), qweight, qtype, 21, int8_activations=True)
+    assert torch.equal(whole[33:40], part)

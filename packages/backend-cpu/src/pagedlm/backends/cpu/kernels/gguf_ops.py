@@ -1,6 +1,6 @@
 """The CPU platform's GGUF ops (``gguf_mul_mat``, ``gguf_get_rows``): C kernels built at first use.
 
-``gguf_kernels.c`` (and ``gguf_q8_act.c``, the opt-in int8-activation path for decode steps)
+``gguf_kernels.c`` (and ``gguf_q8_act.c`` / ``gguf_amx.c``, the opt-in int8-activation path)
 is compiled with the system C compiler (``$CC``, else ``gcc``/``cc``) the first time a GGUF layer
 runs, into ``$PAGEDLM_CACHE_ROOT/cpu_kernels/gguf_<hash>.so``; the hash covers the sources, the
 compiler flags and the compiler's version, so an edit or another CPU's flags build a new
@@ -36,7 +36,7 @@ logger = init_logger(__name__)
 __all__ = ["gguf_get_rows", "gguf_mul_mat", "kernel_library"]
 
 _SOURCES = tuple(Path(__file__).with_name(f)
-                 for f in ("gguf_kernels.c", "gguf_batch.c", "gguf_q8_act.c", "attention_decode.c"))
+                 for f in ("gguf_kernels.c", "gguf_batch.c", "gguf_q8_act.c", "gguf_amx.c", "attention_decode.c"))
 #: what the build reads: the sources and the header they share (all of it goes into the hash)
 _BUILD_INPUTS = (*_SOURCES, Path(__file__).with_name("gguf_common.h"))
 #: the ggml types of the int8-activation path: Q8_0, Q4_K, Q6_K
@@ -118,7 +118,19 @@ def _library(build: str) -> ctypes.CDLL:
     lib.pagedlm_gguf_supports.argtypes = [ctypes.c_int]
     lib.pagedlm_gguf_mul_mat_q8_act.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
     lib.pagedlm_gguf_mul_mat_q8_act.restype = ctypes.c_int
+    lib.pagedlm_gguf_mul_mat_amx.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
+    lib.pagedlm_gguf_mul_mat_amx.restype = ctypes.c_int
+    lib.pagedlm_gguf_amx_init.restype = ctypes.c_int
     return lib
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether the int8-activation path may run on AMX tiles here: the CPU lists AMX-INT8 (and the
+    AVX-512 the kernel's bookkeeping uses) and the kernel grants the process the tile state."""
+    if not {"amx_tile", "amx_int8", "avx512f", "avx512bw", "avx512vl", "f16c", "fma"} <= _cpu_flags():
+        return False
+    return kernel_library().pagedlm_gguf_amx_init() == 0
 
 
 def supported_types() -> frozenset[int]:
@@ -129,9 +141,9 @@ def supported_types() -> frozenset[int]:
 def gguf_mul_mat(x: torch.Tensor, qweight: torch.Tensor, qtype: int, out_features: int,
                  int8_activations: bool | None = None) -> torch.Tensor:
     """The ``gguf_mul_mat`` op (contract in pagedlm.core.layers.custom_ops). ``int8_activations``
-    (None: ``PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS``) sends decode steps (1-4 rows) of Q8_0, Q4_K and
-    Q6_K weights through ``gguf_q8_act.c``: activations rounded to int8 per 32 values, integer dot
-    products."""
+    (None: ``PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS``) sends Q8_0, Q4_K and Q6_K weights through
+    activations rounded to int8 per 32 values and integer dot products: ``gguf_q8_act.c`` for 1-4
+    rows, ``gguf_amx.c`` (AMX tiles) for more where the CPU has AMX-INT8 (else the exact path)."""
     m, k = x.shape
     xf = x.contiguous() if x.dtype == torch.float32 else x.to(torch.float32).contiguous()
     if not qweight.is_contiguous():
@@ -139,7 +151,10 @@ def gguf_mul_mat(x: torch.Tensor, qweight: torch.Tensor, qtype: int, out_feature
     out = torch.empty(m, out_features, dtype=torch.float32)
     if int8_activations is None:
         int8_activations = gguf_int8_activations()
-    if int8_activations and qtype in _INT8_ACT_TYPES and 1 <= m <= 4:
+    if int8_activations and qtype in _INT8_ACT_TYPES and m > 4 and amx_available():
+        rc = kernel_library().pagedlm_gguf_mul_mat_amx(qtype, qweight.data_ptr(), out_features, k, xf.data_ptr(), m,
+                                                       out.data_ptr(), out_features, torch.get_num_threads())
+    elif int8_activations and qtype in _INT8_ACT_TYPES and 1 <= m <= 4:
         rc = kernel_library().pagedlm_gguf_mul_mat_q8_act(qtype, qweight.data_ptr(), out_features, k, xf.data_ptr(),
                                                           m, out.data_ptr(), out_features, torch.get_num_threads())
     else:
