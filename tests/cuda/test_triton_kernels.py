@@ -345,3 +345,47 @@ def test_fp8_cache_reads_as_its_dequantized_values(device, reqs, num_splits):
     assert torch.isfinite(out_fp8).all()
     assert (stored.view(2, -1, 2, 64)[0, case.new_slots].float() != 0).any()  # this step's keys were written
     torch.testing.assert_close(out_fp8, out_ref, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize(("num_splits", "sliding_window", "query_gain"),
+                         [(1, None, 1.0), (4, None, 1.0), (1, None, 4.0), (1, 40, 1.0)])
+def test_fp8_decode_scores_on_tensor_cores_within_bf16_rounding(device, num_splits, sliding_window, query_gain):
+    """Decode launches over an FP8 cache under a bf16 query take the scores as FP8 x FP8 dots
+    (``FP8_MMA``): the query goes in as two e4m3 tiles, ``q_hi = q / s`` (row scale ``s = amax /
+    448``) and ``q_lo = 16 (q / s - q_hi)``. q_lo's rounding is at most half an e4m3 step of a value
+    <= 256, 8, so the query is represented to within ``0.5 s = amax * 2^-9.8``: under bf16's own
+    rounding of it (2^-9 of each value). P is float16 (2^-11). So the output is asserted within bf16
+    rounding of float32 attention over the dequantized cache: relative (Frobenius) error <= 2^-7
+    and every value within 1e-2 (bf16 output rounding alone is 2^-9 = 0.2 %). A single e4m3 query
+    tile misses the first bound: 2.6 % on an H200 (2026-12-02), 4 % x the query gain with q x 4.
+    ``query_gain`` 4 makes peaked distributions, where score errors move the output most."""
+    from pagedlm.backends.cuda.triton_attn import TritonAttentionImpl, TritonAttentionMetadataBuilder
+
+    shape = dict(num_heads=16, num_kv_heads=4, head_size=128)
+    reqs = DECODES + LONG_DECODES[:1]
+    case = make_case(reqs, block_size=16, dtype=torch.bfloat16, seed=11, **shape)
+    case.query = (case.query.float() * query_gain).to(torch.bfloat16)
+    scales = torch.tensor([0.03]), torch.tensor([0.04])
+    fp8_cache = torch.stack([(case.kv_cache[i].float() / scales[i]).clamp(-448, 448).to(torch.float8_e4m3fn)
+                             for i in range(2)])
+    builder = TritonAttentionMetadataBuilder(block_size=16, device=device)
+    builder.num_kv_heads = 4
+    meta = builder.build(to_device(case.common, device))
+    assert meta.max_query_len == 1  # the decode-only launch, which is the one on the FP8 tensor cores
+    meta.num_splits = num_splits
+    impl = TritonAttentionImpl(scale=128**-0.5, sliding_window=sliding_window, **shape)
+    impl.kv_cache_dtype, impl.k_scale, impl.v_scale = "fp8", scales[0].to(device), scales[1].to(device)
+    cache = fp8_cache.to(device)
+    out = impl.forward(case.query.to(device), case.key.to(device), case.value.to(device), cache, meta)
+    out = out.float().cpu()
+    assert torch.isfinite(out).all()
+
+    stored = cache.cpu()
+    dequantized = torch.stack([stored[i].float() * scales[i] for i in range(2)])
+    flat = dequantized.view(2, -1, 4, 128)
+    ref_case = Case(case.common, case.query, flat[0, case.new_slots], flat[1, case.new_slots], dequantized,
+                    case.new_slots)
+    expected = reference(ref_case, sliding_window=sliding_window, scale=128**-0.5, **shape)
+    rel = ((out - expected).norm() / expected.norm()).item()
+    assert rel <= 2**-7, f"relative error {rel:.4f} over 2^-7"
+    torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
