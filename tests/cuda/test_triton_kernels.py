@@ -357,7 +357,7 @@ def test_fp8_decode_scores_on_tensor_cores_within_bf16_rounding(device, num_spli
     rounding of it (2^-9 of each value). P is float16 (2^-11). So the output is asserted within bf16
     rounding of float32 attention over the dequantized cache: relative (Frobenius) error <= 2^-7
     and every value within 1e-2 (bf16 output rounding alone is 2^-9 = 0.2 %). A single e4m3 query
-    tile misses the first bound: 2.6 % on an H200 (2026-12-02), 4 % x the query gain with q x 4.
+    tile misses the first bound: 2.6 % on an H200 (2026-12-02; 5.2 % with the query x 4).
     ``query_gain`` 4 makes peaked distributions, where score errors move the output most."""
     from pagedlm.backends.cuda.triton_attn import TritonAttentionImpl, TritonAttentionMetadataBuilder
 

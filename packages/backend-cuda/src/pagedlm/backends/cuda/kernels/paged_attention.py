@@ -264,7 +264,8 @@ def _paged_attention_kernel(
         # (FP8_MMA): the scores are FP8 x FP8 tensor-core dots of the cached keys with the query
         # split into two e4m3 tiles (within bf16's rounding of it), P @ V in float16 with V
         # converted once per tile; the scales are folded into the score scale (k) and the output
-        # (v). On an H200 that read a 256 x 768 decode batch's cache 1.3x faster than converting
+        # (v). On an H200 that read a 256 x 768 decode batch's cache 1.25x faster (2.71 against
+        # 2.17 TB/s; Llama-3.1-8B fp8 throughput 18,005 against 16,823 tok/s) than converting
         # every K and V value to float16 for float16 dots, which the other launches (prefill
         # tiles, soft caps) still do (FP8_FP16_DOTS; exact for e4m3, the query clamped to
         # float16's range). (Bare fp8 -> bf16 casts with the scales folded compiled worse: Triton
@@ -476,7 +477,7 @@ def paged_attention(
         block_q = 1
         block_m = max(16, group_pad)
         block_n = cfg.get("BLOCK_N", 64)
-        # the FP8 tensor-core loop ran 5 % faster with two stages than with three (H200, below)
+        # the FP8 tensor-core loop ran 3-5 % faster with two stages than with three (H200)
         num_warps, num_stages = cfg.get("num_warps", 4), cfg.get("num_stages", 2 if fp8_mma else 3)
         num_tiles = num_reqs
     else:
