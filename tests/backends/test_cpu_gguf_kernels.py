@@ -181,14 +181,16 @@ def test_int8_activations_only_for_decode_rows_of_their_types(use_library, monke
     assert not torch.equal(fast, gguf_ops.gguf_mul_mat(one, qweight, qtype, 9))
 
 
-_needs_amx = pytest.mark.skipif(not gguf_ops.amx_available(), reason="this CPU has no AMX-INT8 (the batched "
-                                "int8-activation path runs only there; elsewhere batches take the exact path)")
+@pytest.fixture
+def amx():
+    if not gguf_ops.amx_available():
+        pytest.skip("this CPU has no AMX-INT8 (the batched int8-activation path runs only there; elsewhere "
+                    "batches take the exact path)")
 
 
-@_needs_amx
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize(("m", "n", "k_values"), [(5, 13, 256), (17, 130, 512), (40, 37, 2048), (300, 33, 512)])
-def test_amx_batches_are_the_quantized_arithmetic(name, m, n, k_values):
+def test_amx_batches_are_the_quantized_arithmetic(name, m, n, k_values, amx):
     """gguf_amx.c: tiles of 16 weight rows x 16 x rows (partial tiles at both ends, more than one
     256-row chunk of x at m = 300) equal the int8-activation arithmetic up to float32 rounding."""
     block = 32 if name == "Q8_0" else 256
@@ -200,9 +202,8 @@ def test_amx_batches_are_the_quantized_arithmetic(name, m, n, k_values):
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
 
 
-@_needs_amx
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K"])
-def test_amx_row_results_do_not_depend_on_the_batch(name):
+def test_amx_row_results_do_not_depend_on_the_batch(name, amx):
     block = 32 if name == "Q8_0" else 256
     qweight, qtype, k = _random_weight(name, 21, 512 // block, seed=7)
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(8))

@@ -106,6 +106,19 @@ def _e4m3_to_f16(x, ASM: tl.constexpr):
 
 
 @triton.jit
+def _kv_tile(start, kv_hi, bt_row, head_off, d, d_valid, NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
+             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys ``[start, start + BLOCK_N)`` of one sequence and kv head: their positions ``[BLOCK_N]``,
+    which are ``< kv_hi``, and the cache offsets and mask of their ``[BLOCK_N, HEAD_PAD]`` tile."""
+    pos = start + tl.arange(0, BLOCK_N)
+    pos_valid = pos < kv_hi
+    block = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
+    slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
+    kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD_SIZE) + head_off + d[None, :]
+    return pos, pos_valid, kv_off, pos_valid[:, None] & d_valid[None, :]
+
+
+@triton.jit
 def _fp8_decode_tiles(q_hi, q_lo, qk_row_scale, row_valid, q_pos, kv_lo, kv_hi, bt_row, head_off, d, d_valid,
                       key_cache_ptr, value_cache_ptr, sliding_window,
                       NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
@@ -133,12 +146,8 @@ def _fp8_decode_tiles(q_hi, q_lo, qk_row_scale, row_valid, q_pos, kv_lo, kv_hi, 
         q_hi_t = q_hi_t.to(tl.float32)
         q_lo_t = q_lo_t.to(tl.float32)
     for start in range(kv_lo, kv_hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        pos_valid = pos < kv_hi
-        block = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
-        slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
-        kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD_SIZE) + head_off + d[None, :]
-        kv_mask = pos_valid[:, None] & d_valid[None, :]
+        pos, pos_valid, kv_off, kv_mask = _kv_tile(start, kv_hi, bt_row, head_off, d, d_valid, NUM_KV_HEADS,
+                                                   HEAD_SIZE, BLOCK_SIZE, BLOCK_N)
         k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         if not ON_GPU:
             k = k.to(tl.float32)
@@ -298,12 +307,8 @@ def _paged_attention_kernel(
             acc = tl.trans(acc_t)
         else:
             for start in range(kv_lo, kv_hi, BLOCK_N):
-                pos = start + tl.arange(0, BLOCK_N)
-                pos_valid = pos < kv_hi
-                block = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
-                slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
-                kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD_SIZE) + head_off + d[None, :]
-                kv_mask = pos_valid[:, None] & d_valid[None, :]
+                pos, pos_valid, kv_off, kv_mask = _kv_tile(start, kv_hi, bt_row, head_off, d, d_valid,
+                                                           NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, BLOCK_N)
                 k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
                 if FP8_FP16_DOTS:
                     k = k.to(tl.float16)
