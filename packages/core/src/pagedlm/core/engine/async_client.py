@@ -265,8 +265,15 @@ class AsyncMPClient:
                 self._check()
                 event.clear()
                 if self._frames.empty():  # re-checked after clear(): a wake-up is never lost
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(event.wait(), _LIVENESS_POLL_MS / 1000)
+                    # NOTE: not asyncio.wait_for: before Python 3.12 it returns normally when the
+                    # event is set in the same turn as a cancel, and this loop would then never
+                    # end (asyncio.run waits forever for it). A timer that sets the event gives the
+                    # same liveness tick and leaves cancellation to event.wait().
+                    tick = asyncio.get_running_loop().call_later(_LIVENESS_POLL_MS / 1000, event.set)
+                    try:
+                        await event.wait()
+                    finally:
+                        tick.cancel()
                 continue
             batch = self._decode(frame)
             if batch is not None:
