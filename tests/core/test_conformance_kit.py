@@ -23,7 +23,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_op_references_equal_core_layers(dtype):
-    from pagedlm.core.layers import RMSNorm, SiluAndMul
+    from pagedlm.core.layers import GemmaRMSNorm, RMSNorm, SiluAndMul
     from pagedlm.core.layers.rotary import RotaryEmbedding, _default_inv_freq
 
     torch.manual_seed(0)
@@ -46,6 +46,17 @@ def test_op_references_equal_core_layers(dtype):
         got = ref.qk_norm_rotary_embedding(pos, q, k, qn.weight, kn.weight, 1e-6, rope.cos_sin_cache, 32, 16, neox)
         for g, w in zip(got, rope.forward_qk_norm(pos, q, k, qn, kn)):
             assert torch.equal(g, w)
+        gq, gk = GemmaRMSNorm(32), GemmaRMSNorm(32)
+        gq.weight.data.normal_(0.0, 0.2)
+        got = ref.gemma_qk_norm_rotary_embedding(pos, q, k, gq.weight, gk.weight, 1e-6, rope.cos_sin_cache, 32, 16,
+                                                 neox)
+        for g, w in zip(got, rope.forward_qk_norm(pos, q, k, gq, gk)):
+            assert torch.equal(g, w)
+    gemma = GemmaRMSNorm(64, eps=1e-6)
+    gemma.weight.data.normal_(0.0, 0.2)
+    assert torch.equal(ref.gemma_rms_norm(x, gemma.weight, 1e-6), gemma(x))
+    for got, want in zip(ref.gemma_fused_add_rms_norm(x, residual, gemma.weight, 1e-6), gemma(x, residual)):
+        assert torch.equal(got, want)
 
 
 # -- op checks -----------------------------------------------------------------------------------
@@ -56,7 +67,8 @@ def _cases(op_name):
 
 
 @pytest.mark.parametrize("op_name", ["rms_norm", "fused_add_rms_norm", "rotary_embedding",
-                                     "qk_norm_rotary_embedding", "silu_and_mul", "fused_experts",
+                                     "qk_norm_rotary_embedding", "gemma_rms_norm", "gemma_fused_add_rms_norm",
+                                     "gemma_qk_norm_rotary_embedding", "silu_and_mul", "fused_experts",
                                      "unquantized_gemm"])
 def test_reference_ops_pass_and_skewed_ops_fail(op_name):
     exact = getattr(ref, op_name)
@@ -107,19 +119,27 @@ def test_gumbel_sample_checks():
     assert ops.check_gumbel_sample(too_hot, CPU, torch.float32, seed=0)[2].status == "FAIL"
 
 
-def test_platform_ops_of_the_cpu_platform_are_the_gguf_and_int8_kernels():
+NORM_OPS = {"rms_norm", "fused_add_rms_norm", "gemma_rms_norm", "gemma_fused_add_rms_norm", "rotary_embedding",
+            "qk_norm_rotary_embedding", "gemma_qk_norm_rotary_embedding"}
+
+
+def test_platform_ops_of_the_cpu_platform_are_the_gguf_int8_and_norm_kernels():
     from pagedlm.core.platforms import resolve_platform
     from pagedlm.core.testing.conformance.report import ConformanceReport
     from pagedlm.core.testing.conformance.runner import _run_ops
 
     registered = ops._platform_ops(resolve_platform("cpu"))
-    assert set(registered) == {"gguf_mul_mat", "gguf_get_rows", "int8_weight_only_gemm"}
+    assert set(registered) == {"gguf_mul_mat", "gguf_get_rows", "int8_weight_only_gemm", *NORM_OPS}
     report = ConformanceReport(device="cpu", attention_backend="cpu_paged")
     _run_ops(resolve_platform("cpu"), CPU, [torch.float32, torch.bfloat16], True, report.results.append)
     gguf = [r for r in report.results if r.name.startswith("gguf_")]
     assert len(gguf) == 2 * 8 * 3 and all(r.status == "PASS" for r in gguf), [r.line() for r in gguf]
     int8 = [r for r in report.results if r.name.startswith("int8_weight_only_gemm")]
     assert len(int8) == 2 * 3 and all(r.status == "PASS" for r in int8), [r.line() for r in int8]
+    # NOTE: the norm and rotary kernels reproduce core's torch code bit for bit: error 0
+    norms = [r for r in report.results if r.name.split()[0] in NORM_OPS]
+    assert {r.name.split()[0] for r in norms} == NORM_OPS
+    assert all(r.status == "PASS" and r.error == 0.0 for r in norms), [r.line() for r in norms if r.error]
 
 
 # -- attention checks ----------------------------------------------------------------------------

@@ -33,5 +33,9 @@ def pagedlm_register_ops(register: Callable[..., None]) -> None:
     # C kernels (kernels/gguf_kernels.c), compiled at first use, on GGUF blocks as stored.
     for op in ("gguf_mul_mat", "gguf_get_rows"):
         register(op, "cpu", f"pagedlm.backends.cpu.kernels.gguf_ops:{op}")
+    # RMSNorm and rotary in C (kernels/norm_rope.c), rounding as core's torch code does
+    for op in ("rms_norm", "fused_add_rms_norm", "gemma_rms_norm", "gemma_fused_add_rms_norm", "rotary_embedding",
+               "qk_norm_rotary_embedding", "gemma_qk_norm_rotary_embedding"):
+        register(op, "cpu", f"pagedlm.backends.cpu.kernels.norm_ops:{op}")
     # torch's int8 weight-only matmul (the online int8 method, compressed-tensors' W8A16 int8)
     register("int8_weight_only_gemm", "cpu", "pagedlm.backends.cpu.kernels.int8_ops:int8_weight_only_gemm")

@@ -10,7 +10,7 @@ methods never do sharding arithmetic themselves.
 from pagedlm.core.layers.activation import GeluAndMul, SiluAndMul, get_act_and_mul_fn
 from pagedlm.core.layers.causal_lm import CausalLM, DecoderModel, PreNormDecoderLayer
 from pagedlm.core.layers.fused_moe import FusedMoE
-from pagedlm.core.layers.layernorm import RMSNorm
+from pagedlm.core.layers.layernorm import GemmaRMSNorm, RMSNorm
 from pagedlm.core.layers.linear import (
     ColumnParallelLinear,
     LinearBase,
@@ -38,6 +38,7 @@ __all__ = [
     "FusedMoE",
     "GatedMLP",
     "GeluAndMul",
+    "GemmaRMSNorm",
     "LinearBase",
     "LogitsProcessor",
     "MergedColumnParallelLinear",

@@ -14,7 +14,7 @@ built outside :func:`use_ops` (most unit tests) runs core's torch code.
 
 Op names: :data:`OP_CONTRACTS` holds the contracts core's layers call; a change that adds a core
 op (a quantized GEMM, LoRA shrink/expand; ``fused_experts`` came with API 1.1, its quantized
-variants with 1.3, ``unquantized_gemm`` with 1.6) adds its contract there and bumps the minor
+variants with 1.3, ``unquantized_gemm`` with 1.6, the Gemma norms with 1.8) adds its contract there and bumps the minor
 ``API_VERSION``. A plugin's own layers may call ops of their own under a dotted name
 (``"myplugin.fused_gate"``), whose contract that plugin documents; any other name is an error.
 """
@@ -52,6 +52,20 @@ OP_CONTRACTS: Mapping[str, str] = MappingProxyType({
         "fn(positions, query, key, q_weight [D], k_weight [D], eps, cos_sin_cache, head_size, "
         "rotary_dim, is_neox_style) -> (query, key): every D-sized head of query and key "
         "normalised as rms_norm with its weight, then rotated as rotary_embedding; new tensors."
+    ),
+    "gemma_rms_norm": (
+        "fn(x [..., N], weight [N], eps) -> [..., N], a new tensor in x's dtype: x in float32 times "
+        "rsqrt(mean(x^2) + eps) times (1 + weight) in float32, rounded to x's dtype once, at the end "
+        "(HF's Gemma3RMSNorm; the stored weight is zero-centred). x may be a strided view."
+    ),
+    "gemma_fused_add_rms_norm": (
+        "fn(x [..., N], residual [..., N], weight [N], eps) -> (gemma_rms_norm(s), s) with s = x + "
+        "residual computed in x's dtype; new tensors, inputs unchanged."
+    ),
+    "gemma_qk_norm_rotary_embedding": (
+        "fn(positions, query, key, q_weight [D], k_weight [D], eps, cos_sin_cache, head_size, "
+        "rotary_dim, is_neox_style) -> (query, key): as qk_norm_rotary_embedding with every head "
+        "normalised as gemma_rms_norm (Gemma 3's q/k norm); new tensors (API 1.8)."
     ),
     "silu_and_mul": "fn(x [..., 2I]) -> silu(x[..., :I]) * x[..., I:], [..., I] in x's dtype; a new tensor.",
     "gumbel_sample": (

@@ -1,4 +1,9 @@
-"""RMSNorm with an optional fused residual add."""
+"""RMSNorm (Llama's and Gemma's) with an optional fused residual add.
+
+:func:`rms_norm_reference` and :func:`gemma_rms_norm_reference` are the arithmetic the layers run
+when the platform registered no op (``rms_norm`` / ``gemma_rms_norm``): HF's op sequence, which a
+platform's kernel must reproduce rounding for rounding.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,24 @@ from pagedlm.core.model_loader.weight_utils import (
     default_weight_loader,
     set_weight_attrs,
 )
+
+__all__ = ["GemmaRMSNorm", "RMSNorm", "gemma_rms_norm_reference", "rms_norm_reference"]
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm: normalise in float32, cast back to x's dtype, multiply by the weight."""
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(x.dtype)
+
+
+def gemma_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Gemma3RMSNorm: normalise and scale by ``1 + weight`` in float32, then cast back."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = h * (1.0 + weight.float())
+    return h.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -35,11 +58,7 @@ class RMSNorm(nn.Module):
         self._fused_add_rms_norm_op = bound_op("fused_add_rms_norm")
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        h = x.to(torch.float32)
-        variance = h.pow(2).mean(-1, keepdim=True)
-        h = h * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * h.to(input_dtype)
+        return rms_norm_reference(x, self.weight, self.variance_epsilon)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -56,3 +75,39 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.variance_epsilon}"
+
+
+class GemmaRMSNorm(nn.Module):
+    """``y = x / sqrt(mean(x^2) + eps) * (1 + weight)`` over the last dimension (Gemma's norm).
+
+    ``forward(x [..., D]) -> [..., D]`` in ``x``'s dtype; ``forward(x, residual)`` forms ``s = x +
+    residual`` in x's dtype first and returns ``(norm(s), s)``, as :class:`RMSNorm` does. Unlike
+    Llama's, the scaling by the weight also happens in float32 and only the result is cast back
+    (HF's Gemma3RMSNorm does the same; bf16 results differ by an ulp otherwise). The stored weight
+    is zero-centred: 0 means identity.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.variance_epsilon = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+        set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
+        self._norm_op = bound_op("gemma_rms_norm")
+        self._fused_add_norm_op = bound_op("gemma_fused_add_rms_norm")
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            if self._norm_op is not None:
+                return self._norm_op(x, self.weight, self.eps)
+            return gemma_rms_norm_reference(x, self.weight, self.eps)
+        if self._fused_add_norm_op is not None:
+            return self._fused_add_norm_op(x, residual, self.weight, self.eps)
+        summed = x + residual
+        return gemma_rms_norm_reference(summed, self.weight, self.eps), summed
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"

@@ -22,9 +22,45 @@ import torch
 from torch import nn
 
 from pagedlm.core.layers.custom_ops import bound_op
+from pagedlm.core.layers.layernorm import GemmaRMSNorm
 from pagedlm.core.platforms.interface import HOST
 
-__all__ = ["RotaryEmbedding", "get_rope", "rope_parameters"]
+__all__ = ["RotaryEmbedding", "get_rope", "rope_parameters", "rotary_reference"]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int, rotary_dim: int,
+            is_neox_style: bool) -> torch.Tensor:
+    """``x [T, heads * head_size]``, ``cos``/``sin [T, 1, rotary_dim / 2]`` -> same shape as x."""
+    num_tokens = x.shape[0]
+    x = x.view(num_tokens, -1, head_size)
+    rot = x[..., :rotary_dim]
+    if is_neox_style:
+        x1, x2 = rot.chunk(2, dim=-1)
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+    # HF writes q*cos + rotate_half(q)*sin; with rotate_half = [-x2, x1] this is the same
+    # sequence of rounded float ops, so bf16 results agree bit for bit.
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if is_neox_style:
+        out = torch.cat((o1, o2), dim=-1)
+    else:
+        out = torch.stack((o1, o2), dim=-1).flatten(-2)
+    if rotary_dim < head_size:
+        out = torch.cat((out, x[..., rotary_dim:]), dim=-1)
+    return out.reshape(num_tokens, -1)
+
+
+def rotary_reference(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None,
+                     cos_sin_cache: torch.Tensor, head_size: int, rotary_dim: int,
+                     is_neox_style: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``rotary_embedding`` op in torch (its contract in layers.custom_ops): what
+    :class:`RotaryEmbedding` runs when the platform registered no kernel."""
+    cos_sin = cos_sin_cache.index_select(0, positions.flatten())
+    cos, sin = cos_sin.to(query.dtype).unsqueeze(1).chunk(2, dim=-1)
+    q = _rotate(query, cos, sin, head_size, rotary_dim, is_neox_style)
+    k = _rotate(key, cos, sin, head_size, rotary_dim, is_neox_style) if key is not None else None
+    return q, k
 
 
 class RotaryEmbedding(nn.Module):
@@ -67,27 +103,7 @@ class RotaryEmbedding(nn.Module):
         # the platform's kernels, if it registered them (layers.custom_ops); bound once, at build
         self._rotary_op = bound_op("rotary_embedding")
         self._qk_norm_rotary_op = bound_op("qk_norm_rotary_embedding")
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x [T, heads * head_size]``, ``cos``/``sin [T, 1, rotary_dim / 2]`` -> same shape as x."""
-        num_tokens = x.shape[0]
-        x = x.view(num_tokens, -1, self.head_size)
-        rot = x[..., : self.rotary_dim]
-        if self.is_neox_style:
-            x1, x2 = rot.chunk(2, dim=-1)
-        else:
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        # HF writes q*cos + rotate_half(q)*sin; with rotate_half = [-x2, x1] this is the same
-        # sequence of rounded float ops, so bf16 results agree bit for bit.
-        o1 = x1 * cos - x2 * sin
-        o2 = x2 * cos + x1 * sin
-        if self.is_neox_style:
-            out = torch.cat((o1, o2), dim=-1)
-        else:
-            out = torch.stack((o1, o2), dim=-1).flatten(-2)
-        if self.rotary_dim < self.head_size:
-            out = torch.cat((out, x[..., self.rotary_dim :]), dim=-1)
-        return out.reshape(num_tokens, -1)
+        self._gemma_qk_norm_rotary_op = bound_op("gemma_qk_norm_rotary_embedding")
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None
@@ -104,22 +120,21 @@ class RotaryEmbedding(nn.Module):
         if self._rotary_op is not None:
             return self._rotary_op(positions, query, key, self.cos_sin_cache, self.head_size, self.rotary_dim,
                                    self.is_neox_style)
-        cos_sin = self.cos_sin_cache.index_select(0, positions.flatten())
-        cos, sin = cos_sin.to(query.dtype).unsqueeze(1).chunk(2, dim=-1)
-        q = self._rotate(query, cos, sin)
-        k = self._rotate(key, cos, sin) if key is not None else None
-        return q, k
+        return rotary_reference(positions, query, key, self.cos_sin_cache, self.head_size, self.rotary_dim,
+                                self.is_neox_style)
 
     def forward_qk_norm(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """RMS-normalise every head of query and key (``q_norm``/``k_norm``: ``RMSNorm`` over
-        ``head_size``), then rotate them, as Qwen3 does: ``[T, H * D]`` and ``[T, Hkv * D]`` in,
-        new tensors out. A platform may do both in one kernel (``qk_norm_rotary_embedding``)."""
+        """RMS-normalise every head of query and key (``q_norm``/``k_norm``: ``RMSNorm`` or
+        ``GemmaRMSNorm`` over ``head_size``), then rotate them, as Qwen3 and Gemma 3 do: ``[T, H *
+        D]`` and ``[T, Hkv * D]`` in, new tensors out. A platform may do both in one kernel
+        (``qk_norm_rotary_embedding``, ``gemma_qk_norm_rotary_embedding``)."""
         eps = q_norm.variance_epsilon
-        if self._qk_norm_rotary_op is not None and eps == k_norm.variance_epsilon:
-            return self._qk_norm_rotary_op(positions, query, key, q_norm.weight, k_norm.weight, eps,
-                                           self.cos_sin_cache, self.head_size, self.rotary_dim, self.is_neox_style)
+        fused = self._gemma_qk_norm_rotary_op if isinstance(q_norm, GemmaRMSNorm) else self._qk_norm_rotary_op
+        if fused is not None and eps == k_norm.variance_epsilon and type(q_norm) is type(k_norm):
+            return fused(positions, query, key, q_norm.weight, k_norm.weight, eps, self.cos_sin_cache, self.head_size,
+                         self.rotary_dim, self.is_neox_style)
         num_tokens = query.shape[0]
         query = q_norm(query.reshape(num_tokens, -1, self.head_size)).reshape(num_tokens, -1)
         key = k_norm(key.reshape(num_tokens, -1, self.head_size)).reshape(num_tokens, -1)

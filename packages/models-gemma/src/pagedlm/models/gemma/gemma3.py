@@ -32,6 +32,7 @@ from pagedlm.core.config import VllmConfig
 from pagedlm.core.layers import (
     QKV_GATE_UP_STACKED_PARAMS,
     GatedMLP,
+    GemmaRMSNorm,
     LogitsProcessor,
     ParallelLMHead,
     QKVParallelLinear,
@@ -43,39 +44,13 @@ from pagedlm.core.layers import (
 )
 from pagedlm.core.layers.quantization import QuantizationConfig
 from pagedlm.core.layers.rotary import RotaryEmbedding
-from pagedlm.core.model_loader import default_weight_loader, load_weights_by_name, set_weight_attrs
+from pagedlm.core.model_loader import load_weights_by_name
 from pagedlm.models.gemma.chat_template import GEMMA_CHAT_TEMPLATE
 
-__all__ = ["Gemma3Attention", "Gemma3ForCausalLM", "Gemma3Model", "GemmaRMSNorm"]
+__all__ = ["Gemma3Attention", "Gemma3ForCausalLM", "Gemma3Model"]
 
 SKIPPED_WEIGHTS = ("rotary_emb.inv_freq",)
 SLIDING, FULL = "sliding_attention", "full_attention"
-
-
-class GemmaRMSNorm(nn.Module):
-    """``y = x / sqrt(mean(x^2) + eps) * (1 + weight)`` over the last dimension.
-
-    ``forward(x [..., D]) -> [..., D]`` in ``x``'s dtype. Unlike Llama's RMSNorm the scaling by the
-    weight also happens in float32 and only the result is cast back (HF's Gemma3RMSNorm does the
-    same; bf16 results differ by an ulp otherwise). The stored weight is zero-centred: 0 means
-    identity.
-    """
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.hidden_size = hidden_size
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
-        set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = h * (1.0 + self.weight.float())
-        return h.to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}"
 
 
 def layer_type(config: Any, layer_idx: int) -> str:
@@ -141,18 +116,21 @@ class Gemma3Attention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        num_tokens = hidden_states.shape[0]
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # [T, H * D] -> [T, H, D]: each head is normalised over its own D values
-        q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim)).reshape(num_tokens, self.q_size)
-        k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)).reshape(num_tokens, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
+        # each head is normalised over its own D values, then rotated
+        q, k = self.rotary_emb.forward_qk_norm(positions, q, k, self.q_norm, self.k_norm)
         return self.o_proj(self.attn(q, k, v))
 
 
 class Gemma3DecoderLayer(nn.Module):
-    """``forward(positions, hidden [T, hidden]) -> [T, hidden]``: two sandwich-normed residual
-    sub-layers, ``h + post_norm(sublayer(pre_norm(h)))`` for attention and then the MLP."""
+    """Two sandwich-normed residual sub-layers, ``h + post_norm(sublayer(pre_norm(h)))`` for
+    attention and then the MLP.
+
+    ``forward(positions, x [T, hidden], residual [T, hidden] | None) -> (x, residual)``: the running
+    sum ``h`` is carried as ``x + residual`` so that each add fuses into the next norm (HF adds in
+    the model dtype before normalising; the fused ops do the same). ``residual=None`` for the
+    first layer, whose ``x`` is ``h`` itself.
+    """
 
     def __init__(self, config: Any, prefix: str, layer_idx: int, max_position: int,
                  quant_config: QuantizationConfig | None = None) -> None:
@@ -168,11 +146,15 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        attn = self.self_attn(positions, self.input_layernorm(hidden_states))
-        hidden_states = hidden_states + self.post_attention_layernorm(attn)
-        mlp = self.mlp(self.pre_feedforward_layernorm(hidden_states))
-        return hidden_states + self.post_feedforward_layernorm(mlp)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.post_attention_layernorm(self.self_attn(positions, x))
+        x, residual = self.pre_feedforward_layernorm(x, residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
 class Gemma3Model(nn.Module):
@@ -202,10 +184,10 @@ class Gemma3Model(nn.Module):
         return self.embed_tokens(input_ids) * self.embed_scale
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.get_input_embeddings(input_ids)
+        x, residual = self.get_input_embeddings(input_ids), None
         for layer in self.layers:
-            hidden_states = layer(positions, hidden_states)
-        return self.norm(hidden_states)
+            x, residual = layer(positions, x, residual)
+        return self.norm(x, residual)[0]
 
 
 class Gemma3ForCausalLM(nn.Module):

@@ -22,9 +22,10 @@ import torch
 from torch import nn
 
 from pagedlm.core.config import VllmConfig
+from pagedlm.core.layers import GemmaRMSNorm
 from pagedlm.core.layers.vision import VisionEncoder
 from pagedlm.core.model_loader import load_weights_by_name
-from pagedlm.models.gemma.gemma3 import Gemma3ForCausalLM, GemmaRMSNorm
+from pagedlm.models.gemma.gemma3 import Gemma3ForCausalLM
 
 _RENAMES = (
     ("model.language_model.", "model."),

@@ -36,7 +36,8 @@ logger = init_logger(__name__)
 __all__ = ["gguf_get_rows", "gguf_mul_mat", "kernel_library"]
 
 _SOURCES = tuple(Path(__file__).with_name(f)
-                 for f in ("gguf_kernels.c", "gguf_batch.c", "gguf_q8_act.c", "gguf_amx.c", "attention_decode.c"))
+                 for f in ("gguf_kernels.c", "gguf_batch.c", "gguf_q8_act.c", "gguf_amx.c", "attention_decode.c",
+                           "norm_rope.c"))
 #: what the build reads: the sources and the header they share (all of it goes into the hash)
 _BUILD_INPUTS = (*_SOURCES, Path(__file__).with_name("gguf_common.h"))
 #: the ggml types of the int8-activation path: Q8_0, Q4_K, Q6_K

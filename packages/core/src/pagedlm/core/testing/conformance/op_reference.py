@@ -1,6 +1,6 @@
 """Core's torch layer ops as plain functions with the signatures of ``layers.custom_ops``.
 
-These repeat, step for step, the torch paths of ``RMSNorm``, ``RotaryEmbedding`` and
+These repeat, step for step, the torch paths of ``RMSNorm``, ``GemmaRMSNorm``, ``RotaryEmbedding`` and
 ``SiluAndMul`` (HF's arithmetic and rounding order), so a platform's replacement is checked
 against exactly what core computes without it. Calling the layers instead would route through
 whatever replacement is registered; tests/core checks these agree with the layers bit for bit.
@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from pagedlm.core.layers.fused_moe.reference import fused_experts
 
-__all__ = ["cos_sin_cache", "fused_add_rms_norm", "fused_experts", "qk_norm_rotary_embedding", "rms_norm",
+__all__ = ["cos_sin_cache", "fused_add_rms_norm", "fused_experts", "gemma_fused_add_rms_norm",
+           "gemma_qk_norm_rotary_embedding", "gemma_rms_norm", "qk_norm_rotary_embedding", "rms_norm",
            "rotary_embedding", "silu_and_mul", "unquantized_gemm"]
 
 
@@ -29,6 +30,18 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     summed = x + residual  # in the model dtype, as HF adds the residual
     return rms_norm(summed, weight, eps), summed
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype)
+
+
+def gemma_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = x + residual
+    return gemma_rms_norm(summed, weight, eps), summed
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int, rotary_dim: int,
@@ -58,13 +71,21 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 def qk_norm_rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                              q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
                              cos_sin_cache: torch.Tensor, head_size: int, rotary_dim: int,
-                             is_neox_style: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                             is_neox_style: bool, norm=rms_norm) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens = query.shape[0]
-    q = rms_norm(query.reshape(num_tokens, -1, head_size), q_weight, eps).reshape(num_tokens, -1)
-    k = rms_norm(key.reshape(num_tokens, -1, head_size), k_weight, eps).reshape(num_tokens, -1)
+    q = norm(query.reshape(num_tokens, -1, head_size), q_weight, eps).reshape(num_tokens, -1)
+    k = norm(key.reshape(num_tokens, -1, head_size), k_weight, eps).reshape(num_tokens, -1)
     q, k_out = rotary_embedding(positions, q, k, cos_sin_cache, head_size, rotary_dim, is_neox_style)
     assert k_out is not None
     return q, k_out
+
+
+def gemma_qk_norm_rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                                   q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                                   cos_sin_cache: torch.Tensor, head_size: int, rotary_dim: int,
+                                   is_neox_style: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return qk_norm_rotary_embedding(positions, query, key, q_weight, k_weight, eps, cos_sin_cache, head_size,
+                                    rotary_dim, is_neox_style, norm=gemma_rms_norm)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Inputs are built on the CPU from a seeded generator, the reference runs there, the platform's
 op runs on the platform's device, and outputs are compared under the dtype's tolerance. The
 grid covers what the model families pass: Llama/Mistral/Qwen2 hidden sizes, Qwen3's and Gemma
-3's per-head norms on strided ``[T, H, D]`` views of the fused qkv output, head sizes 64 to 256,
+3's per-head norms on strided ``[T, H, D]`` views of the fused qkv output (Gemma's zero-centred
+``1 + weight`` norms too), head sizes 64 to 256,
 partial rotary, neox and GPT-J pairing, bases 1e4 and 1e6 at positions up to 32k; the routed
 experts of MoE layers (``fused_experts``) from one token to a prefill chunk, 4 to 128 experts, top-1
 to top-8, widths that are not powers of two, and another rank's experts (``expert_map``); GGUF
@@ -53,34 +54,38 @@ def _weight(gen: torch.Generator, n: int, dtype: torch.dtype) -> torch.Tensor:
     return (1.0 + 0.2 * torch.randn(n, generator=gen)).to(dtype)
 
 
-def _rms_case(hidden: int, residual: bool) -> CaseFn:
+def _rms_case(hidden: int, residual: bool, gemma: bool = False) -> CaseFn:
+    norm, fused = (ref.gemma_rms_norm, ref.gemma_fused_add_rms_norm) if gemma else (ref.rms_norm,
+                                                                                   ref.fused_add_rms_norm)
+
     def run(op, device, dtype, gen):
         x = _randn(gen, 37, hidden, scale=3.0).to(dtype)
-        w = _weight(gen, hidden, dtype)
+        w = _weight(gen, hidden, dtype) - (1.0 if gemma else 0.0)  # Gemma's weight is zero-centred
         if not residual:
-            return [("out", op(x.to(device), w.to(device), EPS), ref.rms_norm(x, w, EPS))]
+            return [("out", op(x.to(device), w.to(device), EPS), norm(x, w, EPS))]
         r = _randn(gen, 37, hidden).to(dtype)
         out, summed = op(x.to(device), r.to(device), w.to(device), EPS)
-        want, want_summed = ref.fused_add_rms_norm(x, r, w, EPS)
+        want, want_summed = fused(x, r, w, EPS)
         return [("out", out, want), ("residual", summed, want_summed)]
 
     return run
 
 
-def _head_view_case(num_heads: int, num_kv_heads: int, head_size: int) -> CaseFn:
+def _head_view_case(num_heads: int, num_kv_heads: int, head_size: int, gemma: bool = False) -> CaseFn:
     """q/k norm over ``[T, H, D]`` views of a slice of the fused qkv output (not contiguous)."""
+    norm = ref.gemma_rms_norm if gemma else ref.rms_norm
+
     def run(op, device, dtype, gen):
         width = (num_heads + 2 * num_kv_heads) * head_size
         qkv = _randn(gen, 9, width, scale=3.0).to(dtype)
-        w = _weight(gen, head_size, dtype)
+        w = _weight(gen, head_size, dtype) - (1.0 if gemma else 0.0)
         q_at = slice(0, num_heads * head_size)
         k_at = slice(num_heads * head_size, (num_heads + num_kv_heads) * head_size)
         qkv_dev = qkv.to(device)
         outs = []
         for part, at, heads in (("q", q_at, num_heads), ("k", k_at, num_kv_heads)):
             view = qkv_dev[:, at].reshape(9, heads, head_size)
-            outs.append((part, op(view, w.to(device), EPS), ref.rms_norm(qkv[:, at].reshape(9, heads, head_size), w,
-                                                                          EPS)))
+            outs.append((part, op(view, w.to(device), EPS), norm(qkv[:, at].reshape(9, heads, head_size), w, EPS)))
         return outs
 
     return run
@@ -113,8 +118,9 @@ def _rotary_case(head_size: int, partial: float, neox: bool, base: float, with_k
     return run
 
 
-def _qk_norm_rotary_case(head_size: int, partial: float, neox: bool, base: float) -> CaseFn:
+def _qk_norm_rotary_case(head_size: int, partial: float, neox: bool, base: float, gemma: bool = False) -> CaseFn:
     rotary_dim = int(head_size * partial)
+    reference = ref.gemma_qk_norm_rotary_embedding if gemma else ref.qk_norm_rotary_embedding
 
     def run(op, device, dtype, gen):
         cache = ref.cos_sin_cache(base, rotary_dim, MAX_POSITION)
@@ -125,8 +131,7 @@ def _qk_norm_rotary_case(head_size: int, partial: float, neox: bool, base: float
         qkv_dev = qkv.to(device)
         out_q, out_k = op(pos.to(device), qkv_dev[:, q_at], qkv_dev[:, k_at], qw.to(device), kw.to(device), EPS,
                           cache.to(device), head_size, rotary_dim, neox)
-        want_q, want_k = ref.qk_norm_rotary_embedding(pos, qkv[:, q_at], qkv[:, k_at], qw, kw, EPS, cache, head_size,
-                                                      rotary_dim, neox)
+        want_q, want_k = reference(pos, qkv[:, q_at], qkv[:, k_at], qw, kw, EPS, cache, head_size, rotary_dim, neox)
         return [("query", out_q, want_q), ("key", out_k, want_k)]
 
     return run
@@ -260,6 +265,11 @@ def op_cases(*, quick: bool) -> list[OpCase]:
     for head, partial, neox in qk[:3] if quick else qk:
         label = _rope_label(head, partial, neox, 1e6)
         cases.append(OpCase("qk_norm_rotary_embedding", label, _qk_norm_rotary_case(head, partial, neox, 1e6)))
+    cases += [OpCase("gemma_rms_norm", f"hidden={h}", _rms_case(h, False, gemma=True)) for h in hidden_sizes]
+    cases += [OpCase("gemma_fused_add_rms_norm", f"hidden={h}", _rms_case(h, True, gemma=True)) for h in hidden_sizes]
+    cases.append(OpCase("gemma_rms_norm", "strided [T,H,D] view h4/kv1 d256", _head_view_case(4, 1, 256, gemma=True)))
+    cases += [OpCase("gemma_qk_norm_rotary_embedding", _rope_label(d, 1.0, True, b),
+                     _qk_norm_rotary_case(d, 1.0, True, b, gemma=True)) for d, b in ((256, 1e4), (256, 1e6))]
     cases += [OpCase("silu_and_mul", f"x{list(s)}", _silu_case(s)) for s in ((11, 256), (11, 6144), (3, 5, 256))]
     # decode rows of Llama-3.1-8B's o and qkv (a GEMV kernel's shapes), an odd shape, a prefill chunk
     linear = [(1, 4096, 4096, False), (3, 77, 200, True), (4, 6144, 4096, False), (2, 1024, 2048, True),
