@@ -145,8 +145,12 @@ def _fp8_check(arch: str, model_dir: str, reference: str, attention_too: bool, c
     llm = LLM(model=model_dir, dtype="float32", device="cpu", **llm_kwargs)
     assert type(_experts(llm).quant_method).__name__ == "Fp8MoEMethod"
     assert _experts(llm).w13_weight.dtype == torch.float8_e4m3fn
+    # NOTE: logprobs within 0.1, not 1e-3: activations are rounded to e4m3 (3 mantissa bits) per
+    # token, so a last-bit difference upstream (another CPU's float32 matmul blocking) can move one
+    # activation by a whole e4m3 step, which shifts that step's logprobs by a few hundredths
+    # (0.046 measured on an AMD EPYC host); wrong scales or layouts move them by far more.
     forgiven = assert_greedy_matches_hf(model_dir, prompts(), MAX_NEW, llm=llm, reference=ref, logprobs=5,
-                                        logprob_atol=1e-3, tie_tol=1e-3)
+                                        logprob_atol=0.1, tie_tol=1e-3)
     assert forgiven <= 1
     if not plain_too:
         return
