@@ -334,3 +334,17 @@ def test_sdpa_without_enable_gqa(monkeypatch):
     monkeypatch.setattr(cpu_attention, "_SDPA_HAS_GQA", False)
     step = make_step(MIXED_BATCH, block_size=16, num_heads=8, num_kv_heads=2, head_size=32, dtype=torch.float32)
     check(step, make_impl(8, 2, 32), 16, torch.float32)
+
+
+def test_a_step_of_decodes_builds_the_general_groups_index_tensors():
+    """The decode-only shortcut of the builder gives what the general grouping gives."""
+    step = make_step([(5, 1), (17, 1), (0, 1), (33, 1)], block_size=4, num_heads=2, num_kv_heads=1, head_size=32,
+                     dtype=torch.float32)
+    builder = CpuAttentionMetadataBuilder(block_size=4, device=torch.device("cpu"))
+    (fast,) = builder.build(step.common).groups
+    common = step.common
+    lens = common.query_start_loc_cpu[1:].long() - common.query_start_loc_cpu[:-1].long()
+    general = builder._build_group(common, torch.arange(4), lens, common.seq_lens_cpu.long())
+    for name in ("query_index", "out_index", "query_pos", "context_slots"):
+        assert torch.equal(getattr(fast, name), getattr(general, name)), name
+    assert fast.query_valid is None and general.query_valid is None

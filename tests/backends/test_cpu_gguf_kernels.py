@@ -161,6 +161,31 @@ def test_int8_activation_builds_agree_bit_for_bit(name):
     assert all(torch.equal(outs[0], out) for out in outs[1:])
 
 
+@pytest.fixture
+def vnni():
+    if not gguf_ops.vnni_available():
+        pytest.skip("this CPU has no AVX-512 VNNI (decode rows take gguf_q8_act.c)")
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_vnni_rows_are_the_quantized_arithmetic(name, m, vnni):
+    """gguf_vnni.c: odd block counts (Q8_0's last block alone; three super-blocks), every code
+    point, an all-zero x block; the int8-activation arithmetic up to float32 rounding, and what
+    gguf_mul_mat runs for decode rows on this CPU."""
+    blocks = 3 if name != "Q8_0" else 21
+    qweight, qtype, k = _random_weight(name, 45, blocks, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(10 + m)) * 3
+    x[m - 1, 32:64] = 0.0
+    got = torch.empty(m, 45)
+    rc = gguf_ops.kernel_library().pagedlm_gguf_mul_mat_vnni(qtype, qweight.data_ptr(), 45, k, x.data_ptr(), m,
+                                                             got.data_ptr(), 45, 2)
+    assert rc == 0
+    want = _int8_act_reference(x, qweight, qtype, k)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+    assert torch.equal(gguf_ops.gguf_mul_mat(x, qweight, qtype, 45, int8_activations=True), got)
+
+
 def test_int8_activations_only_for_decode_rows_of_their_types(use_library, monkeypatch):
     """Batches (more than 4 rows) take the exact path whatever the setting unless the CPU has AMX
     (then gguf_amx.c), other types always; the environment variable switches the path on."""

@@ -36,8 +36,8 @@ logger = init_logger(__name__)
 __all__ = ["gguf_get_rows", "gguf_mul_mat", "kernel_library"]
 
 _SOURCES = tuple(Path(__file__).with_name(f)
-                 for f in ("gguf_kernels.c", "gguf_batch.c", "gguf_q8_act.c", "gguf_amx.c", "attention_decode.c",
-                           "norm_rope.c"))
+                 for f in ("gguf_kernels.c", "gguf_batch.c", "gguf_q8_act.c", "gguf_amx.c", "gguf_vnni.c",
+                           "attention_decode.c", "norm_rope.c"))
 #: what the build reads: the sources and the header they share (all of it goes into the hash)
 _BUILD_INPUTS = (*_SOURCES, Path(__file__).with_name("gguf_common.h"))
 #: the ggml types of the int8-activation path: Q8_0, Q4_K, Q6_K
@@ -122,6 +122,9 @@ def _library(build: str) -> ctypes.CDLL:
     lib.pagedlm_gguf_mul_mat_amx.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
     lib.pagedlm_gguf_mul_mat_amx.restype = ctypes.c_int
     lib.pagedlm_gguf_amx_init.restype = ctypes.c_int
+    lib.pagedlm_gguf_mul_mat_vnni.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
+    lib.pagedlm_gguf_mul_mat_vnni.restype = ctypes.c_int
+    lib.pagedlm_gguf_vnni_compiled.restype = ctypes.c_int
     return lib
 
 
@@ -134,6 +137,15 @@ def amx_available() -> bool:
     return kernel_library().pagedlm_gguf_amx_init() == 0
 
 
+@functools.cache
+def vnni_available() -> bool:
+    """Whether decode rows of the int8-activation path run on AVX-512 VNNI (``gguf_vnni.c``): the
+    CPU lists it (with the AVX-512 BW/VL it uses) and the compiler built it."""
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma"} <= _cpu_flags():
+        return False
+    return kernel_library().pagedlm_gguf_vnni_compiled() == 1
+
+
 def supported_types() -> frozenset[int]:
     """ggml type ids these kernels compute on (the others dequantize at load)."""
     return frozenset({2, 3, 6, 7, 8, 12, 13, 14})
@@ -143,8 +155,9 @@ def gguf_mul_mat(x: torch.Tensor, qweight: torch.Tensor, qtype: int, out_feature
                  int8_activations: bool | None = None) -> torch.Tensor:
     """The ``gguf_mul_mat`` op (contract in pagedlm.core.layers.custom_ops). ``int8_activations``
     (None: ``PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS``) sends Q8_0, Q4_K and Q6_K weights through
-    activations rounded to int8 per 32 values and integer dot products: ``gguf_q8_act.c`` for 1-4
-    rows, ``gguf_amx.c`` (AMX tiles) for more where the CPU has AMX-INT8 (else the exact path)."""
+    activations rounded to int8 per 32 values and integer dot products: for 1-4 rows ``gguf_vnni.c``
+    where the CPU has AVX-512 VNNI, else ``gguf_q8_act.c``; ``gguf_amx.c`` (AMX tiles) for more
+    where the CPU has AMX-INT8 (else the exact path)."""
     m, k = x.shape
     xf = x.contiguous() if x.dtype == torch.float32 else x.to(torch.float32).contiguous()
     if not qweight.is_contiguous():
@@ -155,6 +168,9 @@ def gguf_mul_mat(x: torch.Tensor, qweight: torch.Tensor, qtype: int, out_feature
     if int8_activations and qtype in _INT8_ACT_TYPES and m > 4 and amx_available():
         rc = kernel_library().pagedlm_gguf_mul_mat_amx(qtype, qweight.data_ptr(), out_features, k, xf.data_ptr(), m,
                                                        out.data_ptr(), out_features, torch.get_num_threads())
+    elif int8_activations and qtype in _INT8_ACT_TYPES and 1 <= m <= 4 and vnni_available():
+        rc = kernel_library().pagedlm_gguf_mul_mat_vnni(qtype, qweight.data_ptr(), out_features, k, xf.data_ptr(), m,
+                                                        out.data_ptr(), out_features, torch.get_num_threads())
     elif int8_activations and qtype in _INT8_ACT_TYPES and 1 <= m <= 4:
         rc = kernel_library().pagedlm_gguf_mul_mat_q8_act(qtype, qweight.data_ptr(), out_features, k, xf.data_ptr(),
                                                           m, out.data_ptr(), out_features, torch.get_num_threads())
