@@ -148,8 +148,9 @@ def kv_cache_space_gib() -> float | None:
 
 def gguf_int8_activations() -> bool:
     """``PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS=1``: Q8_0/Q4_K/Q6_K GGUF weights multiply activations
-    quantized to int8 per 32 values (``kernels/gguf_q8_act.c`` for decode steps of 1-4 rows,
-    ``kernels/gguf_amx.c`` for batches and prefill where the CPU has AMX) instead of the exact
+    quantized to int8 per 32 values (for decode steps of 1-4 rows ``kernels/gguf_vnni.c`` where the
+    CPU has AVX-512 VNNI, else ``kernels/gguf_q8_act.c``; ``kernels/gguf_amx.c`` for batches and
+    prefill where the CPU has AMX) instead of the exact
     float32 path; faster, and no longer token-identical to HF (docs/quantization.md). Off by default.
     """
     return os.environ.get("PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS", "0").lower() in ("1", "true", "yes")
