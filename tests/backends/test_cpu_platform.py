@@ -78,9 +78,10 @@ def test_cpu_platform_config_hooks():
     config = VllmConfig()
     assert platform.get_attn_backend_name(config) == "cpu_paged"
     assert platform.dist_backend == "gloo" and platform.default_dtype == torch.float32
-    assert not platform.supports_graphs
+    assert platform.supports_graphs
+    assert platform.get_model_runner_cls(config) == "pagedlm.backends.cpu.model_runner:CpuModelRunner"
     platform.check_and_update_config(config)
-    assert config.enforce_eager is True
+    assert config.enforce_eager is False  # CPU graphs replay decode steps unless the user says eager
     assert platform.set_device(0) == torch.device("cpu")
 
 

@@ -18,7 +18,7 @@ costs at most the spread of lengths. Every index tensor is built on the metadata
 backend also runs (slowly) on a GPU.
 
 On the CPU, a float32 decode group (no soft cap) skips the gather: ``kernels/attention_decode.c``
-reads each request's keys and values in place through ``context_slots`` (and, in a step of
+reads each request's keys and values in place through its block table (and, in a step of
 decodes only, writes this step's K/V in the same call). At Gemma 3 270M's batch 32 the torch
 path took ~1.2 ms a layer, mostly the padded copies, for ~0.1 ms of arithmetic.
 """
@@ -70,16 +70,20 @@ class CpuAttentionGroup:
     #: ``[R, Q]`` absolute position of each query token in its request; 0 for padding, so a
     #: padded row still sees one key (position 0) and its softmax stays finite
     query_pos: torch.Tensor
-    #: ``[R, S]`` flat cache slot of each context position. Positions past a request's
-    #: ``seq_len`` point at its position-0 slot: always written, hence finite, and masked out
-    #: anyway (uninitialised cache memory could hold NaN, which a 0 weight would not cancel)
-    context_slots: torch.Tensor
+    #: ``[R, max_blocks]`` int32, contiguous: the block table rows of the group's requests
+    block_table: torch.Tensor
+    #: ``[R]`` int64: each request's context length (``seq_lens``)
+    seq_lens: torch.Tensor
+    block_size: int
+    #: ``S``, the longest context of the group
+    max_seq_len: int
     #: ``sliding_window`` -> ``[R, Q, S]`` bool mask (True = attend); filled lazily by the first
     #: layer needing it and reused by every later layer of the step
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     #: ``([R, Q], [R, S])`` int64 span ids of query slots and key positions (-1: none): a query
     #: also sees every key of its own span (``CommonAttentionMetadata.bidirectional_spans``)
     span_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+    _context_slots: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -90,8 +94,17 @@ class CpuAttentionGroup:
         return self.query_index.shape[1]
 
     @property
-    def max_seq_len(self) -> int:
-        return self.context_slots.shape[1]
+    def context_slots(self) -> torch.Tensor:
+        """``[R, S]`` int64 flat cache slot of each context position (the torch path's gather
+        index, built by the first layer that needs it). Positions past a request's ``seq_len``
+        point at its position-0 slot: always written, hence finite, and masked out anyway
+        (uninitialised cache memory could hold NaN, which a 0 weight would not cancel)."""
+        if self._context_slots is None:
+            pos = torch.arange(self.max_seq_len, device=self.block_table.device)[None, :]  # [1, S]
+            pos = torch.where(pos < self.seq_lens[:, None], pos, 0)  # [R, S]
+            block_ids = self.block_table.to(torch.int64).gather(1, pos // self.block_size)
+            self._context_slots = block_ids * self.block_size + pos % self.block_size
+        return self._context_slots
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         """``[R, Q, S]`` bool: key position ``s`` visible to query slot ``(r, q)``.
@@ -169,20 +182,20 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata]
 
     def _decode_group(self, common: CommonAttentionMetadata) -> CpuAttentionGroup:
         """The group of a step of decodes only (request r's one token is row r): what
-        :meth:`_build_group` gives for every request, in a third of its ops (a decode step of a
-        small model runs this once per KV-cache group)."""
+        :meth:`_build_group` gives for every request, in a few ops (a decode step of a small
+        model runs this once per KV-cache group)."""
         device = common.block_table.device
         rows = torch.arange(common.num_reqs, device=device)
         seq_len = common.seq_lens.to(device=device, dtype=torch.int64)
-        pos = torch.arange(common.max_seq_len, device=device)[None, :]  # [1, S]
-        pos = torch.where(pos < seq_len[:, None], pos, 0)  # [R, S]
-        block_ids = common.block_table[: common.num_reqs].to(torch.int64).gather(1, pos // self.block_size)
         return CpuAttentionGroup(
             query_index=rows[:, None],
             query_valid=None,
             out_index=rows,
             query_pos=(seq_len - 1)[:, None],
-            context_slots=block_ids * self.block_size + pos % self.block_size,
+            block_table=common.block_table[: common.num_reqs].to(torch.int32).contiguous(),
+            seq_lens=seq_len,
+            block_size=self.block_size,
+            max_seq_len=common.max_seq_len,
         )
 
     def _build_group(
@@ -212,16 +225,15 @@ class CpuAttentionMetadataBuilder(AttentionMetadataBuilder[CpuAttentionMetadata]
         else:
             query_valid, out_index = valid, query_index[valid]
 
-        pos = torch.arange(max_s, device=device)[None, :]  # [1, S]
-        pos = torch.where(pos < seq_len[:, None], pos, 0)  # [R, S]
-        block_ids = common.block_table[reqs].to(torch.int64).gather(1, pos // self.block_size)
-        context_slots = block_ids * self.block_size + pos % self.block_size
         return CpuAttentionGroup(
             query_index=query_index,
             query_valid=query_valid,
             out_index=out_index,
             query_pos=query_pos,
-            context_slots=context_slots,
+            block_table=common.block_table[reqs].to(torch.int32).contiguous(),
+            seq_lens=seq_len,
+            block_size=self.block_size,
+            max_seq_len=max_s,
             span_ids=_span_ids(common.bidirectional_spans, reqs_cpu, query_pos, max_s),
         )
 
@@ -321,7 +333,7 @@ class CpuPagedAttentionImpl(AttentionImpl[CpuAttentionMetadata]):
         for group, c_kernel in zip(metadata.groups, in_c):
             num_reqs, max_q, max_s = group.num_reqs, group.max_query_len, group.max_seq_len
             if c_kernel:
-                decode_attention(query, group.out_index, key_cache, value_cache, group.context_slots,
+                decode_attention(query, group.out_index, key_cache, value_cache, group.block_table, group.block_size,
                                  group.query_pos[:, 0], self.sliding_window, self.scale, out, group.out_index,
                                  (key, value, slot_mapping) if write_in_c else None)
                 continue

@@ -33,7 +33,7 @@ class CpuPlatform(Platform):
     # float16 is listed because torch's CPU matmul/SDPA kernels accept it (checked on torch 2.x);
     # it is slow there, so float32 stays the default.
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
-    supports_graphs = False
+    supports_graphs = True  # CPU graphs (kernels/graph.py) for decode steps of a few requests
 
     def get_attn_backend_name(self, vllm_config: VllmConfig) -> str:
         return "cpu_paged"
@@ -59,11 +59,9 @@ class CpuPlatform(Platform):
         # oversubscribe them and make every collective wait on descheduled peers.
         torch.set_num_threads(max(1, usable_cores() // max(1, ranks_on_host)))
 
-    def check_and_update_config(self, vllm_config: VllmConfig) -> None:
-        # There are no device graphs on the CPU: every step runs eagerly.
-        if not vllm_config.enforce_eager:
-            logger.debug("CPU platform: setting enforce_eager=True (no graph capture on the CPU)")
-        vllm_config.enforce_eager = True
+    def get_model_runner_cls(self, vllm_config: VllmConfig) -> str:
+        # decode steps of a few requests replay CPU graphs (enforce_eager=True: never)
+        return "pagedlm.backends.cpu.model_runner:CpuModelRunner"
 
     def kv_cache_tensor(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Zeroed by the kernel, page by page, when first touched (an anonymous mapping of fresh
@@ -154,6 +152,19 @@ def gguf_int8_activations() -> bool:
     float32 path; faster, and no longer token-identical to HF (docs/quantization.md). Off by default.
     """
     return os.environ.get("PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS", "0").lower() in ("1", "true", "yes")
+
+
+def cpu_graph_max_batch() -> int:
+    """``PAGEDLM_CPU_GRAPH_MAX_BATCH`` (default 4): decode steps of up to this many requests replay
+    a CPU graph (``model_runner.py``); 0 turns them off, as ``enforce_eager=True`` does."""
+    value = os.environ.get("PAGEDLM_CPU_GRAPH_MAX_BATCH", "4")
+    try:
+        batch = int(value)
+    except ValueError:
+        batch = -1
+    if batch < 0:
+        raise ValueError(f"PAGEDLM_CPU_GRAPH_MAX_BATCH={value!r} must be a whole number >= 0 (0: no CPU graphs)")
+    return batch
 
 
 def available_host_memory_bytes() -> int | None:

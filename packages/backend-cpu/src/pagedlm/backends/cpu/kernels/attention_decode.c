@@ -50,18 +50,24 @@ static inline void axpy(float p, const float *v, float *o, int64_t D) {
  * caches [slots, Hkv, D] contiguous; token t's new_k / new_v rows (strides k_stride / v_stride)
  * are written first to slot new_slots[t] for the R tokens t = q_rows[r] (< 0: none; new_slots
  * NULL: nothing to write); context position s of request r is slot
- * ctx_slots[r * S + s]; the query sits at position q_pos[r] and sees positions
- * max(0, q_pos - window + 1) .. q_pos (window 0: from 0). Query head h reads kv head
- * h / (H / Hkv). out row out_rows[r], head h: out + out_rows[r] * out_stride + h * D.
- * Returns 0, -2 without scratch memory.
+ * block_table[r * bt_stride + s / block_size] * block_size + s % block_size; the query sits at
+ * position q_pos[r] and sees positions max(0, q_pos - window + 1) .. q_pos (window 0: from 0).
+ * Query head h reads kv head h / (H / Hkv). out row out_rows[r], head h: out + out_rows[r] *
+ * out_stride + h * D. Returns 0, -2 without scratch memory.
  */
 int pagedlm_attn_decode(const float *q, int64_t q_stride, const int64_t *q_rows, float *k_cache, float *v_cache,
                         const float *new_k, int64_t k_stride, const float *new_v, int64_t v_stride,
-                        const int64_t *new_slots, const int64_t *ctx_slots, int64_t S, const int64_t *q_pos,
+                        const int64_t *new_slots, const int32_t *block_table, int64_t bt_stride, int64_t block_size,
+                        const int64_t *q_pos,
                         int64_t window, int64_t R, int64_t H, int64_t Hkv, int64_t D, float scale, float *out,
                         int64_t out_stride, const int64_t *out_rows, int nthreads) {
-    /* per thread and query head: the n <= S scores, then 1 / their softmax sum */
-    const int64_t G = H / Hkv, tasks = R * Hkv, slot_floats = Hkv * D, SS = S + 1;
+    /* per thread and query head: the n scores of the longest visible context, then 1 / their sum */
+    int64_t longest = 1;
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t n = window > 0 && q_pos[r] + 1 > window ? window : q_pos[r] + 1;
+        longest = n > longest ? n : longest;
+    }
+    const int64_t G = H / Hkv, tasks = R * Hkv, slot_floats = Hkv * D, SS = longest + 1;
     int threads = tasks < nthreads ? (int)tasks : (nthreads < 1 ? 1 : nthreads);
     float *scratch = (float *)malloc((size_t)(threads * G * SS) * sizeof(float));
     if (scratch == NULL) return -2;
@@ -81,13 +87,14 @@ int pagedlm_attn_decode(const float *q, int64_t q_stride, const int64_t *q_rows,
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t r = task / Hkv, kh = task % Hkv, pos = q_pos[r];
             const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0, n = pos - lo + 1;
-            const int64_t *slots = ctx_slots + r * S + lo;
+            const int32_t *blocks = block_table + r * bt_stride;
             /* the G query heads of this kv head take each key and value row in turn: one pass
              * over the context (rows of 1 kB scattered over the cache) instead of G */
             const float *qh = q + q_rows[r] * q_stride + kh * G * D;
             float *oh = out + out_rows[r] * out_stride + kh * G * D;
             for (int64_t s = 0; s < n; s++) {
-                const float *k = k_cache + slots[s] * slot_floats + kh * D;
+                const int64_t p = lo + s, slot = (int64_t)blocks[p / block_size] * block_size + p % block_size;
+                const float *k = k_cache + slot * slot_floats + kh * D;
                 for (int64_t g = 0; g < G; g++) scores[g * SS + s] = scale * dot(qh + g * D, k, D);
             }
             for (int64_t g = 0; g < G; g++) {
@@ -101,7 +108,8 @@ int pagedlm_attn_decode(const float *q, int64_t q_stride, const int64_t *q_rows,
             }
             memset(oh, 0, (size_t)(G * D) * sizeof(float));
             for (int64_t s = 0; s < n; s++) {
-                const float *v = v_cache + slots[s] * slot_floats + kh * D;
+                const int64_t p = lo + s, slot = (int64_t)blocks[p / block_size] * block_size + p % block_size;
+                const float *v = v_cache + slot * slot_floats + kh * D;
                 for (int64_t g = 0; g < G; g++) axpy(scores[g * SS + s], v, oh + g * D, D);
             }
             for (int64_t g = 0; g < G; g++) {

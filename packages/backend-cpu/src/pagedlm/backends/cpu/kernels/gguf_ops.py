@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from pagedlm.backends.cpu.kernels.graph import launch
 from pagedlm.backends.cpu.platform import gguf_int8_activations
 from pagedlm.core import envs
 from pagedlm.core.logger import init_logger
@@ -165,18 +166,15 @@ def gguf_mul_mat(x: torch.Tensor, qweight: torch.Tensor, qtype: int, out_feature
     out = torch.empty(m, out_features, dtype=torch.float32)
     if int8_activations is None:
         int8_activations = gguf_int8_activations()
+    lib = kernel_library()
     if int8_activations and qtype in _INT8_ACT_TYPES and m > 4 and amx_available():
-        rc = kernel_library().pagedlm_gguf_mul_mat_amx(qtype, qweight.data_ptr(), out_features, k, xf.data_ptr(), m,
-                                                       out.data_ptr(), out_features, torch.get_num_threads())
-    elif int8_activations and qtype in _INT8_ACT_TYPES and 1 <= m <= 4 and vnni_available():
-        rc = kernel_library().pagedlm_gguf_mul_mat_vnni(qtype, qweight.data_ptr(), out_features, k, xf.data_ptr(), m,
-                                                        out.data_ptr(), out_features, torch.get_num_threads())
+        kernel = lib.pagedlm_gguf_mul_mat_amx
     elif int8_activations and qtype in _INT8_ACT_TYPES and 1 <= m <= 4:
-        rc = kernel_library().pagedlm_gguf_mul_mat_q8_act(qtype, qweight.data_ptr(), out_features, k, xf.data_ptr(),
-                                                          m, out.data_ptr(), out_features, torch.get_num_threads())
+        kernel = lib.pagedlm_gguf_mul_mat_vnni if vnni_available() else lib.pagedlm_gguf_mul_mat_q8_act
     else:
-        rc = kernel_library().pagedlm_gguf_mul_mat(qtype, qweight.data_ptr(), out_features, k, xf.data_ptr(), m,
-                                                   out.data_ptr(), out_features, torch.get_num_threads())
+        kernel = lib.pagedlm_gguf_mul_mat
+    rc = launch(kernel, qtype, qweight.data_ptr(), out_features, k, xf.data_ptr(), m, out.data_ptr(), out_features,
+                torch.get_num_threads())
     if rc:
         raise ValueError(f"gguf_mul_mat: ggml type {qtype} with K={k} is not supported by the CPU kernels (rc={rc})")
     return out if x.dtype == torch.float32 else out.to(x.dtype)
@@ -186,8 +184,8 @@ def gguf_get_rows(qweight: torch.Tensor, qtype: int, ids: torch.Tensor, embeddin
     """The ``gguf_get_rows`` op (contract in pagedlm.core.layers.custom_ops)."""
     idx = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(idx.numel(), embedding_dim, dtype=torch.float32)
-    rc = kernel_library().pagedlm_gguf_get_rows(qtype, qweight.data_ptr(), qweight.shape[0], embedding_dim,
-                                                idx.data_ptr(), idx.numel(), out.data_ptr(), torch.get_num_threads())
+    rc = launch(kernel_library().pagedlm_gguf_get_rows, qtype, qweight.data_ptr(), qweight.shape[0], embedding_dim,
+                idx.data_ptr(), idx.numel(), out.data_ptr(), torch.get_num_threads())
     if rc == -3:
         raise ValueError(f"gguf_get_rows: a token id is outside [0, {qweight.shape[0]})")
     if rc:

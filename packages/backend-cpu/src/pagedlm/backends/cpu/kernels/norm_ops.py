@@ -17,6 +17,7 @@ import functools
 import torch
 
 from pagedlm.backends.cpu.kernels.gguf_ops import kernel_library
+from pagedlm.backends.cpu.kernels.graph import launch
 from pagedlm.core.layers.layernorm import gemma_rms_norm_reference, rms_norm_reference
 from pagedlm.core.layers.rotary import rotary_reference
 from pagedlm.core.logger import init_logger
@@ -105,7 +106,8 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, 
         return None
     out = _new(x)
     summed = _new(x) if residual is not None else None
-    rc = lib.pagedlm_rms_norm(
+    rc = launch(
+        lib.pagedlm_rms_norm,
         dt | wdt << 2 | style << 4, x.data_ptr(), xr[1], residual.data_ptr() if rr else None, rr[1] if rr else 0,
         summed.data_ptr() if summed is not None else None, out.data_ptr(), xr[0], x.shape[-1], weight.data_ptr(),
         eps, torch.get_num_threads())
@@ -175,7 +177,8 @@ def _rope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None
         return None
     q_out = _new(query)
     k_out = _new(key) if key is not None else None
-    rc = lib.pagedlm_qk_norm_rope(
+    rc = launch(
+        lib.pagedlm_qk_norm_rope,
         dt | wdt << 2 | style << 4 | (_NEOX if neox else 0), pos.data_ptr(), num_tokens, cos_sin_cache.shape[0],
         query.data_ptr(), query.stride(0), query.shape[1] // head_size,
         key.data_ptr() if key is not None else None, key.stride(0) if key is not None else 0,
