@@ -60,7 +60,7 @@ def test_mul_mat_matches_dequantize_then_matmul(name, m, n, use_library):
     # n: not a multiple of the 4-row groups (decode) nor of the 16-row tiles (batches, from M = 6)
     qweight, qtype, k = _random_weight(name, n, 2, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    out = gguf_ops.gguf_mul_mat(x, qweight, qtype, n)
+    out = gguf_ops.gguf_mul_mat(x, qweight, qtype, n, int8_activations=False)
     assert out.shape == (m, n) and out.dtype == torch.float32
     # float32 sums in another order than the reference's: bounded by eps * sum |x * w| per output
     w = dequantize(qweight.reshape(-1), qtype, (n, k)).double()
@@ -69,7 +69,7 @@ def test_mul_mat_matches_dequantize_then_matmul(name, m, n, use_library):
     reference = gguf_mul_mat_reference(x, qweight, qtype, n).double()
     assert ((reference - exact).abs() <= 4e-6 * scale + 1e-30).all()
     # bfloat16 activations: converted to float32 in, result rounded to bfloat16
-    out16 = gguf_ops.gguf_mul_mat(x.bfloat16(), qweight, qtype, n)
+    out16 = gguf_ops.gguf_mul_mat(x.bfloat16(), qweight, qtype, n, int8_activations=False)
     assert out16.dtype == torch.bfloat16
     torch.testing.assert_close(out16, gguf_mul_mat_reference(x.bfloat16().float(), qweight, qtype, n).bfloat16())
 
@@ -188,7 +188,7 @@ def test_vnni_rows_are_the_quantized_arithmetic(name, m, vnni):
 
 def test_int8_activations_only_for_decode_rows_of_their_types(use_library, monkeypatch):
     """Batches (more than 4 rows) take the exact path whatever the setting unless the CPU has AMX
-    (then gguf_amx.c), other types always; the environment variable switches the path on."""
+    (then gguf_amx.c), other types always; the environment variable (default 1) switches the path."""
     qweight, qtype, k = _random_weight("Q8_0", 9, 2)
     x = torch.randn(5, k)
     exact = gguf_ops.gguf_mul_mat(x, qweight, qtype, 9, int8_activations=False)
@@ -199,11 +199,16 @@ def test_int8_activations_only_for_decode_rows_of_their_types(use_library, monke
     assert torch.equal(gguf_ops.gguf_mul_mat(x5, q5k, q5k_type, 9, int8_activations=True),
                        gguf_ops.gguf_mul_mat(x5, q5k, q5k_type, 9, int8_activations=False))
     one = x[:1]
+    monkeypatch.delenv("PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS", raising=False)
+    fast = gguf_ops.gguf_mul_mat(one, qweight, qtype, 9)  # the default: int8 activations
     monkeypatch.setenv("PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS", "1")
-    fast = gguf_ops.gguf_mul_mat(one, qweight, qtype, 9)
+    assert torch.equal(fast, gguf_ops.gguf_mul_mat(one, qweight, qtype, 9))
     monkeypatch.setenv("PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS", "0")
     assert torch.equal(fast, gguf_ops.gguf_mul_mat(one, qweight, qtype, 9, int8_activations=True))
     assert not torch.equal(fast, gguf_ops.gguf_mul_mat(one, qweight, qtype, 9))
+    monkeypatch.setenv("PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS", "fast")
+    with pytest.raises(ValueError, match="PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS='fast' must be 1 .* or 0"):
+        gguf_ops.gguf_mul_mat(one, qweight, qtype, 9)
 
 
 @pytest.fixture

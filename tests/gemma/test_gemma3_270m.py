@@ -69,7 +69,10 @@ def test_gemma3_270m_config_matches_hf(gguf_path: str, hf) -> None:
     assert ours.rms_norm_eps == pytest.approx(hf_config.rms_norm_eps)
 
 
-def test_gemma3_270m_greedy_matches_hf(gguf_path: str, hf, capsys: pytest.CaptureFixture[str]) -> None:
+def test_gemma3_270m_greedy_matches_hf(gguf_path: str, hf, capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exact path (``PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS=0``: float32 activations) gives HF's tokens."""
+    monkeypatch.setenv("PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS", "0")
     tokenizer, _, prompt_ids, reference = hf
     llm = LLM(model=gguf_path, dtype="float32", device="cpu", max_model_len=1024, kv_cache_memory_bytes=256 << 20)
     ours = llm.get_tokenizer()
@@ -125,7 +128,7 @@ def test_gemma3_270m_tokenizer_independent_of_transformers(gguf_path: str, hf) -
 
 def test_gemma3_270m_int8_activations_agree_with_hf(gguf_path: str, hf, monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    """The opt-in fast path (``PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS=1``: the Q8_0, Q4_K and Q6_K
+    """The default fast path (``PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS=1``: the Q8_0, Q4_K and Q6_K
     layers and the LM head of decode steps take activations rounded to int8) is not
     token-identical to HF; its agreement metric: every prompt follows HF's greedy tokens until
     HF's own top-2 logits are within 1.0 of each other (a near-tie that 8-bit activations may

@@ -145,13 +145,18 @@ def kv_cache_space_gib() -> float | None:
 
 
 def gguf_int8_activations() -> bool:
-    """``PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS=1``: Q8_0/Q4_K/Q6_K GGUF weights multiply activations
-    quantized to int8 per 32 values (for decode steps of 1-4 rows ``kernels/gguf_vnni.c`` where the
-    CPU has AVX-512 VNNI, else ``kernels/gguf_q8_act.c``; ``kernels/gguf_amx.c`` for batches and
-    prefill where the CPU has AMX) instead of the exact
-    float32 path; faster, and no longer token-identical to HF (docs/quantization.md). Off by default.
+    """``PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS`` (default ``1``): Q8_0/Q4_K/Q6_K GGUF weights multiply
+    activations quantized to int8 per 32 values (decode steps of 1-4 rows: ``kernels/gguf_vnni.c``
+    where the CPU has AVX-512 VNNI, else ``kernels/gguf_q8_act.c``; batches and prefill:
+    ``kernels/gguf_amx.c`` where the CPU has AMX, else the exact path), as llama.cpp's and vLLM's
+    GGUF decode kernels quantize activations to 8 bits. ``0``: the exact float32 path everywhere,
+    token-identical to HF transformers on the dequantized weights (docs/quantization.md).
     """
-    return os.environ.get("PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS", "0").lower() in ("1", "true", "yes")
+    value = os.environ.get("PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS", "1").lower()
+    if value not in ("0", "1", "true", "false", "yes", "no"):
+        raise ValueError(f"PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS={value!r} must be 1 (int8 activations, the default) "
+                         "or 0 (the exact float32 path)")
+    return value in ("1", "true", "yes")
 
 
 def cpu_graph_max_batch() -> int:

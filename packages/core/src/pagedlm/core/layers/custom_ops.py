@@ -147,8 +147,9 @@ OP_CONTRACTS: Mapping[str, str] = MappingProxyType({
         "blocks of ggml type qtype, B values / S bytes each), qtype: int, N: int) -> [M, N] in x's dtype: x @ W^T "
         "computed in float32, W decoded exactly as pagedlm.core.model_loader.gguf_dequant.dequantize does (the "
         "same float32 values; only the summation order may differ). qtype is one of gguf.KERNEL_TYPES: Q4_0, "
-        "Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K. A platform may offer an approximate mode the user opts into "
-        "(the CPU backend's PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS); never by default."
+        "Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K. A platform may instead round x to 8 bits per block, as "
+        "llama.cpp does, if it documents the switch back to this exact mode (the CPU backend: "
+        "PAGEDLM_CPU_GGUF_INT8_ACTIVATIONS, on by default; 0 is exact)."
     ),
     "gguf_get_rows": (
         "fn(qweight [V, K // B * S] uint8, qtype: int, ids [...] int64, K: int) -> [..., K] float32: rows ids of the "

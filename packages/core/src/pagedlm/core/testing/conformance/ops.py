@@ -225,9 +225,24 @@ def _gguf_mul_mat_case(qtype: int, m: int) -> CaseFn:
         qweight, k = _gguf_weight(gen, qtype, 37, 2)
         x = _randn(gen, m, k).to(dtype)
         want = gguf_mul_mat_reference(x.float(), qweight, qtype, 37).to(dtype)
-        return [("out", op(x.to(device), qweight.to(device), qtype, 37), want)]
+        out = op(x.to(device), qweight.to(device), qtype, 37)
+        # the contract lets x be rounded to int8 per 32 values first (as llama.cpp does): that
+        # result is checked against the same rounding of x, at the same tolerance
+        rounded = gguf_mul_mat_reference(_int8_blocks(x.float()), qweight, qtype, 37).to(dtype)
+        got = out.cpu().float()
+        if (got - rounded.float()).abs().max() < (got - want.float()).abs().max():
+            want = rounded
+        return [("out", out, want)]
 
     return run
+
+
+def _int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` float32 rounded to int8 per 32 values (scale amax / 127, round half to even)."""
+    blocks = x.view(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (torch.round(blocks / safe) * scale).view_as(x)
 
 
 def _gguf_get_rows_case(qtype: int) -> CaseFn:
