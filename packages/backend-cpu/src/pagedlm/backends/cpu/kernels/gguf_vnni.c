@@ -77,7 +77,7 @@ VNNI_TARGET static void quantize(int qtype, const float *x, int64_t K, int64_t M
     }
 }
 
-VNNI_TARGET static void row_q8(const uint8_t *row, int64_t K, const xrows *xr, int64_t M, float *y, int64_t ldy) {
+VNNI_TARGET static inline __attribute__((always_inline)) void row_q8(const uint8_t *row, int64_t K, const xrows *xr, int64_t M, float *y, int64_t ldy) {
     const int64_t nb = K / 32;
     __m512 acc[MAX_ROWS];
     __m256 acc1[MAX_ROWS];
@@ -126,7 +126,7 @@ static void q4k_scales(const uint8_t *s, uint32_t out[4]) {
     out[3] = ((u[2] >> 4) & 0x0F0F0F0Fu) | (((u[1] >> 6) & 0x03030303u) << 4);
 }
 
-VNNI_TARGET static void row_q4k(const uint8_t *row, int64_t K, const xrows *xr, int64_t M, float *y, int64_t ldy) {
+VNNI_TARGET static inline __attribute__((always_inline)) void row_q4k(const uint8_t *row, int64_t K, const xrows *xr, int64_t M, float *y, int64_t ldy) {
     const int64_t nb = K / 32;
     __m512 acc[MAX_ROWS];
     __m256 corr[MAX_ROWS];
@@ -173,7 +173,7 @@ VNNI_TARGET static void row_q4k(const uint8_t *row, int64_t K, const xrows *xr, 
     for (int64_t m = 0; m < M; m++) y[m * ldy] = _mm512_reduce_add_ps(acc[m]) - sum8(corr[m]);
 }
 
-VNNI_TARGET static void row_q6k(const uint8_t *row, int64_t K, const xrows *xr, int64_t M, float *y, int64_t ldy) {
+VNNI_TARGET static inline __attribute__((always_inline)) void row_q6k(const uint8_t *row, int64_t K, const xrows *xr, int64_t M, float *y, int64_t ldy) {
     __m512 acc[MAX_ROWS];
     for (int m = 0; m < MAX_ROWS; m++) acc[m] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3);
@@ -219,6 +219,29 @@ VNNI_TARGET static void row_q6k(const uint8_t *row, int64_t K, const xrows *xr, 
     for (int64_t m = 0; m < M; m++) y[m * ldy] = _mm512_reduce_add_ps(acc[m]);
 }
 
+/* the row loop, specialised for one x row (the compiler keeps the accumulators in registers) */
+VNNI_TARGET static void rows_m1(int qtype, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, const xrows *xr,
+                                float *y, int64_t ldy, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        if (qtype == Q8_0) row_q8(row, K, xr, 1, y + n, ldy);
+        else if (qtype == Q4_K) row_q4k(row, K, xr, 1, y + n, ldy);
+        else row_q6k(row, K, xr, 1, y + n, ldy);
+    }
+}
+
+VNNI_TARGET static void rows_any(int qtype, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, const xrows *xr,
+                                 int64_t M, float *y, int64_t ldy, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        if (qtype == Q8_0) row_q8(row, K, xr, M, y + n, ldy);
+        else if (qtype == Q4_K) row_q4k(row, K, xr, M, y + n, ldy);
+        else row_q6k(row, K, xr, M, y + n, ldy);
+    }
+}
+
 /*
  * y [M, N] (row stride ldy) = x [M, K] float32 contiguous @ W^T for W of N rows of Q8_0, Q4_K or
  * Q6_K blocks, x quantized to int8 per 32 values. Returns 0; -1 for another type, M outside [1, 4]
@@ -244,12 +267,9 @@ VNNI_TARGET int pagedlm_gguf_mul_mat_vnni(int qtype, const uint8_t *w, int64_t N
     quantize(qtype, x, K, M, &xr);
     /* a parallel region per call costs more than it saves below a few hundred KiB of weights */
     if (nthreads < 1 || N * row_bytes < (1 << 18)) nthreads = 1;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *row = w + n * row_bytes;
-        if (qtype == Q8_0) row_q8(row, K, &xr, M, y + n, ldy);
-        else if (qtype == Q4_K) row_q4k(row, K, &xr, M, y + n, ldy);
-        else row_q6k(row, K, &xr, M, y + n, ldy);
+    switch (M) {
+    case 1: rows_m1(qtype, w, row_bytes, N, K, &xr, y, ldy, nthreads); break;
+    default: rows_any(qtype, w, row_bytes, N, K, &xr, M, y, ldy, nthreads); break;
     }
     free(xr.q); free(xr.d); free(xr.corr); free(xr.dsum);
     return 0;
