@@ -89,7 +89,7 @@ def test_a_replay_that_differs_from_eager_switches_graphs_off(tiny_llama, monkey
     want = LLM(model=tiny_llama, device="cpu", dtype="float32", enforce_eager=True,
                num_gpu_blocks_override=32).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     replay = CpuGraph.replay
-    monkeypatch.setattr(CpuGraph, "replay", lambda self: replay(self).add_(1.0))
+    monkeypatch.setattr(CpuGraph, "replay", lambda self: tuple(t.add_(1.0) for t in replay(self)))
     llm = LLM(model=tiny_llama, device="cpu", dtype="float32", num_gpu_blocks_override=32)
     with caplog.at_level("WARNING", logger=cpu_runner.__name__):
         got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids

@@ -5,7 +5,8 @@ Single-stream decode of a small model spends about half its step in the Python o
 forward's kernel calls once and replays them. Decode-only steps of ``B <=
 PAGEDLM_CPU_GRAPH_MAX_BATCH`` requests (4 by default) each have a graph, captured at the first
 such step of that ``B`` on static input buffers (token ids, positions, and per KV-cache group the
-block table rows, slot mapping and query positions of the ``cpu_paged`` decode kernel), then
+block table rows, slot mapping and query positions of the ``cpu_paged`` decode kernel), with the
+LM head in the graph too (every request of a decode step samples), then
 checked: at the second such step the replay's hidden states must equal an eager forward's bit for
 bit, or graphs are switched off for the process with a warning. Everything else runs eagerly, as
 does everything with ``enforce_eager=True``.
@@ -83,6 +84,8 @@ class CpuModelRunner(ModelRunner):
         super().__init__(vllm_config, device)
         self.max_graph_batch = 0 if vllm_config.enforce_eager else cpu_graph_max_batch()
         self._graphs: dict[int, _DecodeGraph] = {}
+        #: the logits of the current step when its graph computed them
+        self._graph_logits: torch.Tensor | None = None
         #: why graphs are off for good (a capture or a check failed), or None
         self.graphs_off: str | None = None
 
@@ -99,6 +102,7 @@ class CpuModelRunner(ModelRunner):
 
     def run_model(self, step: StepInputs) -> torch.Tensor:
         num_reqs = len(step.req_ids)
+        self._graph_logits = None
         if not self._graph_step(step, num_reqs):
             return super().run_model(step)
         entry = self._graphs.get(num_reqs)
@@ -108,17 +112,26 @@ class CpuModelRunner(ModelRunner):
         entry.stage(step)
         self.feed_sampled_tokens(entry.input_ids, step)
         if entry.graph is None:
-            return self._capture(entry, num_reqs)
-        if not entry.verified:
-            return self._verify(entry, num_reqs)
-        return entry.graph.replay()
+            hidden, self._graph_logits = self._capture(entry, num_reqs)
+        elif not entry.verified:
+            hidden, self._graph_logits = self._verify(entry, num_reqs)
+        else:
+            hidden, self._graph_logits = entry.graph.replay()
+        return hidden
+
+    def compute_sample_logits(self, step: StepInputs, hidden_states: torch.Tensor) -> torch.Tensor:
+        """A graph step's logits ``[B, V]`` come from the graph (every request of a decode step samples)."""
+        if self._graph_logits is not None and len(step.sample_indices) == len(step.req_ids):
+            return self._graph_logits
+        return super().compute_sample_logits(step, hidden_states)
 
     def _graph_step(self, step: StepInputs, num_reqs: int) -> bool:
         """Whether this step may replay a graph: decodes only, few requests, nothing that a
         graph would bake in (prompt or image embeddings, adapters, a KV connector)."""
         return (0 < num_reqs <= self.max_graph_batch and self.graphs_off is None and len(step.input_ids) == num_reqs
                 and step.mm_embeds is None and not self.vllm_config.model_config.enable_prompt_embeds
-                and self.lora_manager is None and self.spec_decode is None and get_active_kv_connector() is None
+                and self.lora_manager is None and self.spec_decode is None and self.pooler is None
+                and get_active_kv_connector() is None
                 and self._graphable_attention())
 
     def _graphable_attention(self) -> bool:
@@ -131,32 +144,34 @@ class CpuModelRunner(ModelRunner):
                 for impl in impls) and all(cache.dtype == torch.float32 for cache in self.kv_caches)
         return self._attention_ok
 
-    def _eager(self, entry: _DecodeGraph) -> torch.Tensor:
+    def _eager(self, entry: _DecodeGraph) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden [B, hidden], logits [B, V])`` of the staged step."""
         assert self.model is not None
         with set_forward_context(entry.attn_metadata()):
-            return forward_with_embeddings(self.model, entry.input_ids, entry.positions, None)
+            hidden = forward_with_embeddings(self.model, entry.input_ids, entry.positions, None)
+        return hidden, self.model.compute_logits(hidden)
 
-    def _capture(self, entry: _DecodeGraph, num_reqs: int) -> torch.Tensor:
+    def _capture(self, entry: _DecodeGraph, num_reqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         graph = CpuGraph()
         try:
             out = graph.capture(lambda: self._eager(entry))
         except CaptureError as e:
             self._switch_off(f"the forward of {num_reqs} decodes cannot be captured: {e}")
-            return self._eager(entry).clone()
+            return self._eager(entry)
         entry.graph = graph
         logger.debug("CPU graph for %d decode(s): %d calls", num_reqs, graph.num_calls)
         return out
 
-    def _verify(self, entry: _DecodeGraph, num_reqs: int) -> torch.Tensor:
+    def _verify(self, entry: _DecodeGraph, num_reqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay, then run the same step eagerly (it rewrites the same K/V): equal, or no graphs."""
         assert entry.graph is not None
         try:
-            replayed = entry.graph.replay().clone()
+            replayed = [t.clone() for t in entry.graph.replay()]
         except RuntimeError as e:
             self._switch_off(f"a replay of the forward of {num_reqs} decodes failed: {e}")
             return self._eager(entry)
         eager = self._eager(entry)
-        if not torch.equal(replayed, eager):
+        if not all(torch.equal(a, b) for a, b in zip(replayed, eager, strict=True)):
             self._switch_off(f"a replay of the forward of {num_reqs} decodes differs from the eager forward")
             return eager
         entry.verified = True

@@ -59,15 +59,15 @@ def _checked(kernel: Callable[..., int], args: tuple, expected: int) -> None:
 
 
 class CpuGraph:
-    """One recorded forward. ``capture(fn)`` runs ``fn()`` (its result is the graph's output
-    tensor, refilled by every ``replay()``)."""
+    """One recorded forward. ``capture(fn)`` runs ``fn()``; its result (a tensor or a tuple of
+    tensors) is the graph's output, refilled by every ``replay()``."""
 
     def __init__(self) -> None:
         self._calls: list[Callable[[], Any]] = []
         self._keep: list[Any] = []  # every tensor a recorded call reads or writes
-        self.output: torch.Tensor | None = None
+        self.output: Any = None
 
-    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def capture(self, fn: Callable[[], Any]) -> Any:
         global _capturing
         if _capturing is not None:
             raise CaptureError("a CPU graph is already being captured")
@@ -81,8 +81,9 @@ class CpuGraph:
             raise
         finally:
             _capturing = None
-        if not isinstance(out, torch.Tensor):
-            raise CaptureError(f"a CPU graph's forward must return a tensor, not {type(out).__name__}")
+        outs = out if isinstance(out, tuple) else (out,)
+        if not all(isinstance(o, torch.Tensor) for o in outs):
+            raise CaptureError(f"a CPU graph's forward must return tensors, not {type(out).__name__}")
         self.output = out
         return out
 
@@ -90,7 +91,7 @@ class CpuGraph:
     def num_calls(self) -> int:
         return len(self._calls)
 
-    def replay(self) -> torch.Tensor:
+    def replay(self) -> Any:
         assert self.output is not None, "replay before capture"
         for call in self._calls:
             call()
