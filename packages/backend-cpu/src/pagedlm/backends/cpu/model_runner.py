@@ -45,7 +45,7 @@ class _DecodeGraph:
         self.block_tables = [torch.zeros(num_reqs, max_blocks, dtype=torch.int32) for _ in range(num_groups)]
         self.slot_mappings = [torch.zeros(num_reqs, dtype=torch.int64) for _ in range(num_groups)]
         self.seq_lens = torch.ones(num_reqs, dtype=torch.int64)
-        self.query_pos = torch.zeros(num_reqs, 1, dtype=torch.int64)
+        self.query_pos = self.positions.view(num_reqs, 1)  # a decode's query sits at its position
         self.metadata = [
             CpuAttentionMetadata(
                 num_reqs=num_reqs, num_actual_tokens=num_reqs, max_query_len=1, max_seq_len=0,
@@ -64,7 +64,6 @@ class _DecodeGraph:
         self.input_ids.numpy()[:] = step.input_ids
         self.positions.numpy()[:] = step.positions
         self.seq_lens.numpy()[:] = step.seq_lens
-        self.query_pos.numpy()[:, 0] = step.positions
         for table, slots, step_table, step_slots in zip(self.block_tables, self.slot_mappings, step.block_tables,
                                                         step.slot_mappings, strict=True):
             table.numpy()[:, : step_table.shape[1]] = step_table
@@ -88,6 +87,7 @@ class CpuModelRunner(ModelRunner):
         self._graph_logits: torch.Tensor | None = None
         #: why graphs are off for good (a capture or a check failed), or None
         self.graphs_off: str | None = None
+        self._attention_ok: bool | None = None  # see _graphable_attention
 
     def load_model(self) -> None:
         self._graphs.clear()
@@ -95,6 +95,7 @@ class CpuModelRunner(ModelRunner):
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._graphs.clear()
+        self._attention_ok = None
         super().initialize_kv_cache(num_blocks)
 
     def release_device_graphs(self) -> None:
@@ -137,7 +138,7 @@ class CpuModelRunner(ModelRunner):
     def _graphable_attention(self) -> bool:
         """Every attention layer takes ``kernels/attention_decode.c`` on decode steps (float32
         caches, no soft cap): the torch path gathers a context shaped by the step."""
-        if not hasattr(self, "_attention_ok"):
+        if self._attention_ok is None:
             impls = [layer.impl for layer in self.attention_layers.values()]
             self._attention_ok = bool(impls) and self.dtype == torch.float32 and all(
                 isinstance(impl, CpuPagedAttentionImpl) and impl.use_sdpa and impl.logits_soft_cap is None

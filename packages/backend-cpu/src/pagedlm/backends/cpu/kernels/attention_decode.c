@@ -45,6 +45,11 @@ static inline void axpy(float p, const float *v, float *o, int64_t D) {
     for (; d < D; d++) o[d] += p * v[d];
 }
 
+/* the cache slot of context position p through a request's block table row */
+static inline int64_t slot_of(const int32_t *blocks, int64_t p, int64_t block_size) {
+    return (int64_t)blocks[p / block_size] * block_size + p % block_size;
+}
+
 /*
  * R requests, each one query token. q row t, head h: q + t * q_stride + h * D (q_rows[r] = t);
  * caches [slots, Hkv, D] contiguous; token t's new_k / new_v rows (strides k_stride / v_stride)
@@ -93,8 +98,7 @@ int pagedlm_attn_decode(const float *q, int64_t q_stride, const int64_t *q_rows,
             const float *qh = q + q_rows[r] * q_stride + kh * G * D;
             float *oh = out + out_rows[r] * out_stride + kh * G * D;
             for (int64_t s = 0; s < n; s++) {
-                const int64_t p = lo + s, slot = (int64_t)blocks[p / block_size] * block_size + p % block_size;
-                const float *k = k_cache + slot * slot_floats + kh * D;
+                const float *k = k_cache + slot_of(blocks, lo + s, block_size) * slot_floats + kh * D;
                 for (int64_t g = 0; g < G; g++) scores[g * SS + s] = scale * dot(qh + g * D, k, D);
             }
             for (int64_t g = 0; g < G; g++) {
@@ -108,8 +112,7 @@ int pagedlm_attn_decode(const float *q, int64_t q_stride, const int64_t *q_rows,
             }
             memset(oh, 0, (size_t)(G * D) * sizeof(float));
             for (int64_t s = 0; s < n; s++) {
-                const int64_t p = lo + s, slot = (int64_t)blocks[p / block_size] * block_size + p % block_size;
-                const float *v = v_cache + slot * slot_floats + kh * D;
+                const float *v = v_cache + slot_of(blocks, lo + s, block_size) * slot_floats + kh * D;
                 for (int64_t g = 0; g < G; g++) axpy(scores[g * SS + s], v, oh + g * D, D);
             }
             for (int64_t g = 0; g < G; g++) {

@@ -30,6 +30,8 @@ enum { Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 #include <immintrin.h>
 
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+/* inlined into rows(), so a call with M = 1 compiles to a loop with its accumulators in registers */
+#define ROW_FN VNNI_TARGET static inline __attribute__((always_inline))
 
 int pagedlm_gguf_vnni_compiled(void) { return 1; }
 
@@ -77,7 +79,7 @@ VNNI_TARGET static void quantize(int qtype, const float *x, int64_t K, int64_t M
     }
 }
 
-VNNI_TARGET static inline __attribute__((always_inline)) void row_q8(const uint8_t *row, int64_t K, const xrows *xr, int64_t M, float *y, int64_t ldy) {
+ROW_FN void row_q8(const uint8_t *row, int64_t K, const xrows *xr, int64_t M, float *y, int64_t ldy) {
     const int64_t nb = K / 32;
     __m512 acc[MAX_ROWS];
     __m256 acc1[MAX_ROWS];
@@ -126,7 +128,7 @@ static void q4k_scales(const uint8_t *s, uint32_t out[4]) {
     out[3] = ((u[2] >> 4) & 0x0F0F0F0Fu) | (((u[1] >> 6) & 0x03030303u) << 4);
 }
 
-VNNI_TARGET static inline __attribute__((always_inline)) void row_q4k(const uint8_t *row, int64_t K, const xrows *xr, int64_t M, float *y, int64_t ldy) {
+ROW_FN void row_q4k(const uint8_t *row, int64_t K, const xrows *xr, int64_t M, float *y, int64_t ldy) {
     const int64_t nb = K / 32;
     __m512 acc[MAX_ROWS];
     __m256 corr[MAX_ROWS];
@@ -173,7 +175,7 @@ VNNI_TARGET static inline __attribute__((always_inline)) void row_q4k(const uint
     for (int64_t m = 0; m < M; m++) y[m * ldy] = _mm512_reduce_add_ps(acc[m]) - sum8(corr[m]);
 }
 
-VNNI_TARGET static inline __attribute__((always_inline)) void row_q6k(const uint8_t *row, int64_t K, const xrows *xr, int64_t M, float *y, int64_t ldy) {
+ROW_FN void row_q6k(const uint8_t *row, int64_t K, const xrows *xr, int64_t M, float *y, int64_t ldy) {
     __m512 acc[MAX_ROWS];
     for (int m = 0; m < MAX_ROWS; m++) acc[m] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3);
@@ -219,20 +221,8 @@ VNNI_TARGET static inline __attribute__((always_inline)) void row_q6k(const uint
     for (int64_t m = 0; m < M; m++) y[m * ldy] = _mm512_reduce_add_ps(acc[m]);
 }
 
-/* the row loop, specialised for one x row (the compiler keeps the accumulators in registers) */
-VNNI_TARGET static void rows_m1(int qtype, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, const xrows *xr,
-                                float *y, int64_t ldy, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *row = w + n * row_bytes;
-        if (qtype == Q8_0) row_q8(row, K, xr, 1, y + n, ldy);
-        else if (qtype == Q4_K) row_q4k(row, K, xr, 1, y + n, ldy);
-        else row_q6k(row, K, xr, 1, y + n, ldy);
-    }
-}
-
-VNNI_TARGET static void rows_any(int qtype, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, const xrows *xr,
-                                 int64_t M, float *y, int64_t ldy, int nthreads) {
+ROW_FN void rows(int qtype, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, const xrows *xr, int64_t M,
+                float *y, int64_t ldy, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *row = w + n * row_bytes;
@@ -267,10 +257,8 @@ VNNI_TARGET int pagedlm_gguf_mul_mat_vnni(int qtype, const uint8_t *w, int64_t N
     quantize(qtype, x, K, M, &xr);
     /* a parallel region per call costs more than it saves below a few hundred KiB of weights */
     if (nthreads < 1 || N * row_bytes < (1 << 18)) nthreads = 1;
-    switch (M) {
-    case 1: rows_m1(qtype, w, row_bytes, N, K, &xr, y, ldy, nthreads); break;
-    default: rows_any(qtype, w, row_bytes, N, K, &xr, M, y, ldy, nthreads); break;
-    }
+    if (M == 1) rows(qtype, w, row_bytes, N, K, &xr, 1, y, ldy, nthreads);  /* a decode step's one row */
+    else rows(qtype, w, row_bytes, N, K, &xr, M, y, ldy, nthreads);
     free(xr.q); free(xr.d); free(xr.corr); free(xr.dsum);
     return 0;
 }
