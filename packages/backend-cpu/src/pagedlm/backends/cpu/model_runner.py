@@ -7,8 +7,8 @@ PAGEDLM_CPU_GRAPH_MAX_BATCH`` requests (4 by default) each have a graph, capture
 such step of that ``B`` on static input buffers (token ids, positions, and per KV-cache group the
 block table rows, slot mapping and query positions of the ``cpu_paged`` decode kernel), with the
 LM head in the graph too (every request of a decode step samples), then
-checked: at the second such step the replay's hidden states must equal an eager forward's bit for
-bit, or graphs are switched off for the process with a warning. Everything else runs eagerly, as
+checked: at the second such step the replay's hidden states and logits must equal an eager
+forward's bit for bit, or graphs are switched off for the process with a warning. Everything else runs eagerly, as
 does everything with ``enforce_eager=True``.
 
 NOTE: a graph holds raw pointers to the weights and the KV cache: it is dropped whenever either
