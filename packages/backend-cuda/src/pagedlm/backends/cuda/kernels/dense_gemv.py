@@ -50,7 +50,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagedlm.backends.cuda.kernels.launch import launch
+from pagedlm.backends.cuda.kernels.launch import launch, pdl_options, pdl_wait
 from pagedlm.backends.cuda.kernels.wna16_gemv import split_k_counters, split_k_store
 
 __all__ = ["DEFAULT_CONFIGS", "GEMV_MAX_ROWS", "GemvConfig", "dense_gemv", "gemv_config", "unquantized_gemm"]
@@ -87,6 +87,11 @@ DEFAULT_CONFIGS: dict[tuple[int, int], dict[int, GemvConfig | None]] = {
 }
 
 
+#: with PDL, each program asks L2 for its first step's weight tiles before it waits for the
+#: previous kernel (``False``: it only waits; an A/B switch for benchmarks)
+PREFETCH_FIRST_STEP = True
+
+
 def gemv_config(t: int, n: int, k: int) -> GemvConfig | None:
     """The table's configuration for ``t`` rows times a ``[n, k]`` weight, or None (F.linear)."""
     if not 1 <= t <= GEMV_MAX_ROWS:
@@ -106,12 +111,31 @@ def _load_x(x_row, k, k_ok, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_rows_l2(w_ptr, row0, N, stride_wn, k_start, nbytes, BLOCK_N: tl.constexpr, THREADS: tl.constexpr):
+    """Ask L2 for ``nbytes`` of each weight row ``row0 .. row0 + BLOCK_N - 1`` (clamped to
+    ``N - 1``) from column ``k_start`` (Hopper's bulk prefetch, one instruction a row; nothing
+    waits for it).
+
+    ``THREADS`` is the program's thread count, so each thread holds one element of the index
+    vector and no row is asked for twice. ``nbytes`` must be a multiple of 16 and the rows'
+    addresses 16-byte aligned (the launcher checks)."""
+    t = tl.arange(0, THREADS)
+    row = tl.minimum(row0 + tl.minimum(t, BLOCK_N - 1), N - 1).to(tl.int64)
+    addr = w_ptr + row * stride_wn + k_start
+    size = tl.where(t < BLOCK_N, nbytes, 0)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1,
+    )
+
+
+@triton.jit
 def _dense_gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, THREADS: tl.constexpr,
 ):
     """Program ``(n, split)``: ``out[:M, n * BLOCK_N + j] = x @ W[n * BLOCK_N + j]`` over the K
     range ``[split * k_per_split, ...)``. ``BLOCK_M`` (1, 2 or 4) rows of x, each with an
@@ -137,6 +161,13 @@ def _dense_gemv_kernel(
     acc3 = tl.zeros((BLOCK_N, KB), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    if PREFETCH:
+        # NOTE: the weights are constant through a forward, so they may be read before pdl_wait:
+        # the first step's tiles stream into L2 while the previous kernel (a norm, the attention's
+        # split combine, SiLU-and-mul) finishes
+        first = tl.minimum(k_end - k_start, BLOCK_K) * (16 // VEC)  # bytes of the first step
+        _prefetch_rows_l2(w_ptr, pid_n * BLOCK_N, N, stride_wn, k_start, first // 16 * 16, BLOCK_N, THREADS)
+    pdl_wait(USE_PDL)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + rk
         k_ok = k < k_end
@@ -208,12 +239,17 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         k_per_split, split = k, 1
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    pdl = pdl_options(x.device)
+    size = x.element_size()
+    # the bulk prefetch takes 16-byte aligned rows and split starts
+    aligned = weight.data_ptr() % 16 == 0 and weight.stride(0) * size % 16 == 0 and k_per_split * size % 16 == 0
     launch(_dense_gemv_kernel, (tiles, split),
            x, weight, bias if bias is not None else weight, out, part, counters if counters is not None else out,
            m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
            HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=k % block_k == 0,
            BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n, BLOCK_K=block_k, VEC=16 // x.element_size(),
-           NUM_STAGES=config.num_stages, num_warps=config.num_warps)
+           NUM_STAGES=config.num_stages, PREFETCH=pdl["USE_PDL"] and PREFETCH_FIRST_STEP and aligned,
+           THREADS=32 * config.num_warps, num_warps=config.num_warps, **pdl)
     return out
 
 

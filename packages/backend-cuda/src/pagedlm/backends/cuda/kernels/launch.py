@@ -14,10 +14,19 @@ compile rather than their sum.
 NOTE: inside :func:`compile_only` nothing is launched, so every output of a Triton op is
 uninitialised memory. A forward run there is for its launches only: its results must not be
 used, and nothing in it may index memory with them.
+
+Programmatic dependent launch (PDL, Hopper and later): a decode step at batch 1 is a chain of
+~11 short kernels a layer, each launched only when the one before it has finished. With
+:func:`pdl_options` a kernel is launched so that it may start while its predecessor still runs
+(``launch_pdl``, a dependency edge of the CUDA graph too); it then calls :func:`pdl_wait` before
+it touches memory the predecessor may write, so results are those of the serial order. Only
+constant inputs (the weights) may be read before that call.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,11 +35,12 @@ from contextvars import ContextVar
 from typing import Any
 
 import triton
+import triton.language as tl
 from triton.runtime import driver
 
 from pagedlm.core.utils.cores import usable_cores
 
-__all__ = ["compile_only", "launch"]
+__all__ = ["compile_only", "launch", "pdl_enabled", "pdl_options", "pdl_wait"]
 
 _COMPILE_ONLY: ContextVar[bool] = ContextVar("pagedlm_triton_compile_only", default=False)
 
@@ -41,6 +51,52 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
         kernel.warmup(*args, grid=grid, **kwargs)
     else:
         kernel[grid](*args, **kwargs)
+
+
+@functools.cache
+def pdl_enabled(device_index: int) -> bool:
+    """Whether kernels on CUDA device ``device_index`` launch with PDL: compute capability 9.0 or
+    later, and ``PAGEDLM_CUDA_PDL`` not ``0`` (default ``1``; any other value is an error)."""
+    value = os.environ.get("PAGEDLM_CUDA_PDL", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"PAGEDLM_CUDA_PDL={value!r}: allowed values are 0 (serial launches) and 1 (PDL)")
+    if value == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    import torch
+
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_options(device: Any) -> dict[str, bool]:
+    """Launch keywords for a kernel written with :func:`pdl_wait`: its ``USE_PDL`` constexpr and,
+    where :func:`pdl_enabled`, Triton's ``launch_pdl`` option."""
+    if getattr(device, "type", None) != "cuda":
+        return {"USE_PDL": False}
+    index = device.index if device.index is not None else _current_device()
+    if not pdl_enabled(index):
+        return {"USE_PDL": False}
+    return {"USE_PDL": True, "launch_pdl": True}
+
+
+def _current_device() -> int:
+    import torch
+
+    return torch.cuda.current_device()
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait for the previous kernel of the stream to finish (its writes visible), then let the
+    next kernel start launching.
+
+    NOTE: every program of a PDL kernel calls this before its first access to memory a previous
+    kernel may write (inputs, and outputs: the allocator may hand out a buffer an earlier kernel
+    still reads), and before it exits. A kernel whose programs all returned without waiting
+    could count as finished while its own predecessor still runs, and the next one would wait
+    on it for nothing."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 class _CompilePool(ThreadPoolExecutor):

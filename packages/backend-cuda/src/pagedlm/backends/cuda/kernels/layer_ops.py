@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedlm.backends.cuda.kernels.launch import launch
+from pagedlm.backends.cuda.kernels.launch import launch, pdl_options, pdl_wait
 
 __all__ = [
     "fused_add_rms_norm",
@@ -31,11 +31,12 @@ __all__ = [
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, inner, stride_x0, stride_x1, stride_r, eps,
-    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One row per program. Row ``r`` of ``x`` is at ``(r // inner) * stride_x0 + (r % inner) *
     stride_x1`` (so a ``[T, H, D]`` view of a fused projection needs no copy); outputs are
     contiguous ``[rows, N]``."""
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -80,6 +81,7 @@ def _launch_norm(x, residual, weight, eps):
             x if x.dim() <= 3 else x.reshape(-1, n), residual if residual is not None else x, weight, out, summed,
             inner, s0, s1, residual.stride(0) if residual is not None else 0, float(eps),
             N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=max(1, min(8, block // 256)),
+            **pdl_options(x.device),
         )
     return out, summed
 
@@ -149,9 +151,11 @@ def _rotary_kernel(
     q_w_ptr, k_w_ptr, eps,
     HEAD_SIZE: tl.constexpr, ROT_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
     PASS_PAD: tl.constexpr, NEOX: tl.constexpr, HAS_KEY: tl.constexpr, QK_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One token per program: rotate all its query heads and key heads (after a per-head
     RMSNorm with ``QK_NORM``)."""
+    pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     i = tl.arange(0, HALF_PAD)[None, :]
@@ -209,6 +213,7 @@ def rotary_embedding(
         HALF_PAD=triton.next_power_of_2(max(1, rotary_dim // 2)),
         PASS_PAD=triton.next_power_of_2(head_size - rotary_dim) if head_size > rotary_dim else 0,
         NEOX=is_neox_style, HAS_KEY=key is not None, QK_NORM=qk_norm_weights is not None, num_warps=4,
+        **pdl_options(query.device),
     )
     return q_out, k_out
 
@@ -234,7 +239,8 @@ def qk_norm_rotary_embedding(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -256,5 +262,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         assert x.stride(-1) == 1
         block = min(1024, triton.next_power_of_2(inter))
         grid = (num_tokens, triton.cdiv(inter, block))
-        launch(_silu_and_mul_kernel, grid, x, out, x.stride(0), inter, BLOCK=block, num_warps=4)
+        launch(_silu_and_mul_kernel, grid, x, out, x.stride(0), inter, BLOCK=block, num_warps=4,
+               **pdl_options(x.device))
     return out

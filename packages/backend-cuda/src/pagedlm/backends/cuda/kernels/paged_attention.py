@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedlm.backends.cuda.kernels.launch import launch
+from pagedlm.backends.cuda.kernels.launch import launch, pdl_options, pdl_wait
 
 __all__ = ["paged_attention", "write_kv_cache", "choose_num_splits"]
 
@@ -62,8 +62,10 @@ def _write_kv_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program per token: copy its ``[Hkv, D]`` key and value into the cache slot."""
+    pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:  # negative slots are padding: nothing to store
@@ -196,8 +198,9 @@ def _paged_attention_kernel(
     SPLIT_KV: tl.constexpr, DECODE_ONLY: tl.constexpr, ORDERED: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOTS: tl.constexpr, FP8_KV: tl.constexpr, FP8_FP16_DOTS: tl.constexpr, FP8_MMA: tl.constexpr,
-    ON_GPU: tl.constexpr,
+    ON_GPU: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     split = tl.program_id(2)
 
     # -- which request and which of its query tokens this program owns --------------------------
@@ -363,9 +366,10 @@ def _paged_attention_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num_heads, stride_ot, stride_oh, num_splits,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per (token, head): merge the ``num_splits <= MAX_SPLITS`` partial softmax results."""
+    pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     base = (token * num_heads + head) * num_splits
@@ -403,7 +407,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_PAD=max(16, triton.next_power_of_2(head_size)),
-        num_warps=1 if num_kv_heads * head_size <= 512 else 4,
+        num_warps=1 if num_kv_heads * head_size <= 512 else 4, **pdl_options(key.device),
     )
 
 
@@ -517,11 +521,12 @@ def paged_attention(
         UPCAST_DOTS=INTERPRET and query.dtype == torch.bfloat16, FP8_KV=fp8_kv,
         FP8_FP16_DOTS=fp8_kv and not fp32 and not fp8_mma, FP8_MMA=fp8_mma,
         ON_GPU=not INTERPRET,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_options(query.device),
     )
     if num_splits > 1:
         launch(
             _combine_splits_kernel, (num_tokens, num_heads),
             out, part_acc, part_max, part_sum, num_heads, out.stride(0), out.stride(1), num_splits,
             HEAD_SIZE=head_size, HEAD_PAD=head_pad, MAX_SPLITS=max(MAX_COMBINED_SPLITS, num_splits), num_warps=1,
+            **pdl_options(out.device),
         )
