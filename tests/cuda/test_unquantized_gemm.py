@@ -115,7 +115,11 @@ def test_config_table():
     assert g.gemv_config(3, 6144, 4096) == g.DEFAULT_CONFIGS[(6144, 4096)].get(4)  # 3 rows: the 4-row entry
     assert g.gemv_config(5, 6144, 4096) is None and g.gemv_config(0, 6144, 4096) is None
     assert g.gemv_config(1, 77, 200) is None
-    for entry in g.DEFAULT_CONFIGS.values():
+    # gate_up takes the kernel only with PDL; the other shapes the same either way
+    assert g.gemv_config(1, 28672, 4096) is None
+    assert g.gemv_config(1, 28672, 4096, pdl=True) == g.PDL_CONFIGS[(28672, 4096)][1]
+    assert g.gemv_config(1, 6144, 4096, pdl=True) == qkv
+    for entry in [*g.DEFAULT_CONFIGS.values(), *g.PDL_CONFIGS.values()]:
         assert set(entry) <= {1, 2, 4}
         for cfg in entry.values():
             assert cfg is None or (isinstance(cfg, g.GemvConfig) and cfg.block_k % 64 == 0)

@@ -20,13 +20,17 @@ split-K reduce launch each; this kernel streams the weights in a single launch i
   partials or the next layer's inputs out of L2); x is tiny and read by every program (cached);
 - rows of W past N read row N - 1 and rows of x past T read row T - 1 (their results are never
   stored), so the weight loads need no mask unless K is not a multiple of ``BLOCK_K``;
+- with programmatic dependent launch (:mod:`.launch`), each program asks L2 for its first
+  step's weight tiles before it waits for the previous kernel (weights are constant), so that
+  read overlaps the end of the norm, split combine or SiLU-and-mul before it;
 - optional split-K over the grid's second axis, reduced in the same launch by
   :func:`.wna16_gemv.split_k_store` (a counter per output tile; the tile's last program sums the
   partials in split order, so results are deterministic); the bias goes into split 0's partial.
 
 Configurations ``(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)`` come from
 :data:`DEFAULT_CONFIGS`, keyed by the weight's ``(N, K)`` and the row count rounded up to a power of
-two (1, 2, 4). A shape (or row count) that is not in the table, or whose entry is None, runs
+two (1, 2, 4), :data:`PDL_CONFIGS` first where kernels launch with PDL. A shape (or row count)
+that is not in the tables, or whose entry is None, runs
 ``F.linear`` (cuBLAS): the table is to list only where the kernel measured faster.
 ``packages/backend-cuda/benchmarks/bench_dense_gemv.py`` sweeps the configurations on a GPU and
 prints a replacement table; the one below is its measurement on an H200.
@@ -53,7 +57,9 @@ import triton.language as tl
 from pagedlm.backends.cuda.kernels.launch import launch, pdl_options, pdl_wait
 from pagedlm.backends.cuda.kernels.wna16_gemv import split_k_counters, split_k_store
 
-__all__ = ["DEFAULT_CONFIGS", "GEMV_MAX_ROWS", "GemvConfig", "dense_gemv", "gemv_config", "unquantized_gemm"]
+__all__ = [
+    "DEFAULT_CONFIGS", "GEMV_MAX_ROWS", "PDL_CONFIGS", "GemvConfig", "dense_gemv", "gemv_config", "unquantized_gemm",
+]
 
 #: the kernel takes at most this many rows; more run F.linear
 GEMV_MAX_ROWS = 4
@@ -87,17 +93,30 @@ DEFAULT_CONFIGS: dict[tuple[int, int], dict[int, GemvConfig | None]] = {
 }
 
 
+#: entries that hold only under programmatic dependent launch (:func:`.launch.pdl_enabled`),
+#: checked before :data:`DEFAULT_CONFIGS`: with the early start and the L2 prefetch of its first
+#: tiles, the kernel beat cuBLAS in a decode step where it lost as a lone launch.
+#: NOTE: measured on an H200 (2026-12-04, `pagedlm bench latency --model-config llama-3.1-8b
+#: --load-format dummy --batch-size 1`, in CUDA graphs): Llama-3.1-8B's gate_up.
+PDL_CONFIGS: dict[tuple[int, int], dict[int, GemvConfig | None]] = {
+    (28672, 4096): {1: GemvConfig(4, 1024, 1, 4, 1)},
+}
+
 #: with PDL, each program asks L2 for its first step's weight tiles before it waits for the
 #: previous kernel (``False``: it only waits; an A/B switch for benchmarks)
 PREFETCH_FIRST_STEP = True
 
 
-def gemv_config(t: int, n: int, k: int) -> GemvConfig | None:
-    """The table's configuration for ``t`` rows times a ``[n, k]`` weight, or None (F.linear)."""
+def gemv_config(t: int, n: int, k: int, pdl: bool = False) -> GemvConfig | None:
+    """The table's configuration for ``t`` rows times a ``[n, k]`` weight, or None (F.linear);
+    ``pdl``: kernels launch with PDL (:data:`PDL_CONFIGS` first)."""
     if not 1 <= t <= GEMV_MAX_ROWS:
         return None
+    rows = triton.next_power_of_2(t)
+    if pdl and rows in PDL_CONFIGS.get((n, k), {}):
+        return PDL_CONFIGS[(n, k)][rows]
     entry = DEFAULT_CONFIGS.get((n, k))
-    return None if entry is None else entry.get(triton.next_power_of_2(t))
+    return None if entry is None else entry.get(rows)
 
 
 @triton.jit
@@ -259,7 +278,11 @@ def unquantized_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     :func:`gemv_config` lists, ``F.linear`` otherwise. ``_config`` (tests, benchmarks) replaces
     the table's choice for inputs the kernel can take."""
     if _gemv_eligible(x, weight, bias):
-        config = _config if _config is not None else gemv_config(x.shape[0], weight.shape[0], weight.shape[1])
+        if _config is not None:
+            config = _config
+        else:
+            pdl = pdl_options(x.device)["USE_PDL"]
+            config = gemv_config(x.shape[0], weight.shape[0], weight.shape[1], pdl)
         if config is not None:
             return dense_gemv(x, weight, bias, config)
     return F.linear(x, weight, bias)

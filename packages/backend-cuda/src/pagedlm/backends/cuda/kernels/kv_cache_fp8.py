@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedlm.backends.cuda.kernels.launch import launch
+from pagedlm.backends.cuda.kernels.launch import launch, pdl_options, pdl_wait
 
 __all__ = ["write_kv_fp8"]
 
@@ -30,10 +30,11 @@ def _write_kv_fp8_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_PAD: tl.constexpr,
-    FMAX: tl.constexpr,
+    FMAX: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per token: its ``[Hkv, D]`` key and value divided by their scales, clamped and
     stored as float8 in the cache slot (negative slots are padding)."""
+    pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:
@@ -64,5 +65,5 @@ def write_kv_fp8(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_PAD=max(16, triton.next_power_of_2(head_size)),
-        FMAX=FP8_MAX,
+        FMAX=FP8_MAX, **pdl_options(key.device),
     )

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedlm.backends.cuda.kernels.launch import launch
+from pagedlm.backends.cuda.kernels.launch import launch, pdl_options, pdl_wait
 
 __all__ = ["FP8_MAX", "INT8_SCALE_DIVISOR", "int8_dequant_epilogue", "quantize_rows"]
 
@@ -33,10 +33,11 @@ _RNE_MAGIC = tl.constexpr(12582912.0)
 def _quantize_rows_kernel(
     x_ptr, q_ptr, scale_ptr, static_scale_ptr, K, stride_xm, stride_qm,
     QMIN: tl.constexpr, QMAX: tl.constexpr, DIVISOR: tl.constexpr, STATIC: tl.constexpr,
-    ROUND: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROUND: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program ``row``: ``scale = max(amax(|x_row|) / DIVISOR, 1e-12)`` (or the static one) into
     ``scale_ptr[row]``; ``q_row = clamp(x_row / scale, QMIN, QMAX)`` (rounded when ``ROUND``)."""
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * stride_qm
@@ -86,7 +87,7 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype, static_scale: torch.Tenso
     launch(_quantize_rows_kernel, (m,),
            x, x_q, scale, static_scale if static_scale is not None else scale, k, x.stride(0), x_q.stride(0),
            QMIN=qmin, QMAX=qmax, DIVISOR=divisor, STATIC=static_scale is not None, ROUND=dtype == torch.int8,
-           BLOCK_K=block_k, num_warps=4 if block_k <= 2048 else 8)
+           BLOCK_K=block_k, num_warps=4 if block_k <= 2048 else 8, **pdl_options(x.device))
     return x_q, scale
 
 

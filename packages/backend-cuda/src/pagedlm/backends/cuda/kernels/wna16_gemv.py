@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedlm.backends.cuda.kernels.launch import launch
+from pagedlm.backends.cuda.kernels.launch import launch, pdl_options, pdl_wait
 
 __all__ = ["gemv_config", "split_k_counters", "split_k_store", "wna16_gemv", "GEMV_MAX_ROWS"]
 
@@ -95,9 +95,11 @@ def _gemv_kernel(
     M, N, K, stride_xm, stride_om, group_size, k_per_split,
     BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KW: tl.constexpr, NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program ``(n, split)``: rows ``[0, M)`` x columns ``[n * BLOCK_N, ...)`` over the K range
     ``[split * k_per_split, ...)``, in steps of ``KW`` packed words (``KW * 32 // BITS`` values)."""
+    pdl_wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     PACK: tl.constexpr = 32 // BITS
@@ -218,5 +220,6 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
            out, part, counters if counters is not None else qweight,
            m, n, k, x.stride(0), out.stride(0), group_size, k_per_split,
            BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None, SPLIT_K=split,
-           BLOCK_M=block_m, BLOCK_N=block_n, KW=kw, NUM_STAGES=num_stages, num_warps=num_warps)
+           BLOCK_M=block_m, BLOCK_N=block_n, KW=kw, NUM_STAGES=num_stages, num_warps=num_warps,
+           **pdl_options(x.device))
     return out
