@@ -117,3 +117,36 @@ def test_staging_buffers_wait_for_the_copies_out_of_them(gemma3_llm, monkeypatch
         runner._stage(None, 16, runner.max_num_reqs, mixed=True)
     # the stage call that reuses a set (the call numbered start + i + 3) waits for that set's event
     assert [e.waited_at for e in events] == [start + 3, start + 4, start + 5, None, None]
+
+
+def test_image_steps_get_their_bidirectional_spans(tiny_gemma3_vision, monkeypatch):
+    """The CUDA runner's eager image steps hand the backend the images' spans: Gemma 3 with
+    images through it gives HF's greedy tokens (images attend within themselves both ways)."""
+    from pagedlm.backends.cpu.platform import CpuPlatform
+    from pagedlm.core.testing.multimodal import hf_multimodal_greedy, load_hf_vlm, random_image
+
+    monkeypatch.setattr(CpuPlatform, "get_model_runner_cls",
+                        lambda self, cfg: "pagedlm.backends.cuda.model_runner:CudaModelRunner")
+    images = [random_image(0, (80, 60)), random_image(1, (40, 70))]
+    requests = [("The quick <start_of_image> brown fox jumps over", [images[0]]),
+                ("Once <start_of_image> upon a time <start_of_image> there lived", images)]
+    reference = hf_multimodal_greedy(*load_hf_vlm(tiny_gemma3_vision), requests, 6)
+    llm = LLM(model=tiny_gemma3_vision, dtype="float32", device="cpu", kv_cache_memory_bytes=16 << 20,
+              block_size=4, max_model_len=128)
+    spans = []
+    runner = runner_of(llm)
+    build = runner.metadata_builder.build
+
+    def recording(common):
+        spans.append(common.bidirectional_spans)
+        return build(common)
+
+    runner.metadata_builder.build = recording
+    try:
+        outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": imgs}} for text, imgs in requests],
+                            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert type(runner).__name__ == "CudaModelRunner"
+    assert [list(o.outputs[0].token_ids) for o in outs] == reference
+    assert any(s for s in spans)

@@ -80,7 +80,7 @@ def to_device(common: CommonAttentionMetadata, device: torch.device) -> CommonAt
         num_computed_tokens_cpu=common.num_computed_tokens_cpu, block_table=common.block_table.to(device),
         slot_mapping=common.slot_mapping.to(device), num_reqs=common.num_reqs,
         num_actual_tokens=common.num_actual_tokens, max_query_len=common.max_query_len,
-        max_seq_len=common.max_seq_len,
+        max_seq_len=common.max_seq_len, bidirectional_spans=common.bidirectional_spans,
     )
 
 
@@ -193,6 +193,39 @@ def test_gemma3_270m_shape(device, sliding_window, num_splits, dtype):
     reqs = [(0, 9), (600, 1), (530, 7), (3, 1)] if not INTERPRET else [(0, 5), (520, 1), (3, 2)]
     case = make_case(reqs, block_size=16, dtype=dtype, seed=27, **shape)
     check(case, device, dtype, **shape, scale=192**-0.5, sliding_window=sliding_window, num_splits=num_splits)
+
+
+#: per request of MIXED, (start, end) positions that attend both ways (Gemma 3's images): inside
+#: this step's tokens; two in one request; one that starts in the cached prefix (16 cached, the
+#: span from 12); one over a request's whole step
+MIXED_SPANS = [[(1, 5)], [], [(37, 43)], [], [], [(12, 20), (22, 30)], [(3, 5)]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("sliding_window", [None, 3])
+@pytest.mark.parametrize("num_splits", [None, 2])
+def test_bidirectional_spans(device, dtype, sliding_window, num_splits):
+    """A token of a span also sees the span's keys after it (``cpu_paged``'s span mask), with a
+    window and with the key range split; the spans change the output of their tokens only."""
+    import dataclasses
+
+    shape = dict(num_heads=4, num_kv_heads=2, head_size=32)
+    case = make_case(MIXED, block_size=4, dtype=dtype, seed=31, **shape)
+    plain, _, _ = run_triton(case, device, **shape, sliding_window=sliding_window, num_splits=num_splits)
+    case.common = dataclasses.replace(case.common, bidirectional_spans=MIXED_SPANS)
+    meta = check(case, device, dtype, **shape, sliding_window=sliding_window, num_splits=num_splits)
+    assert meta.span_end is not None
+    qsl = case.common.query_start_loc_cpu.tolist()
+    out, _, _ = run_triton(case, device, **shape, sliding_window=sliding_window, num_splits=num_splits)
+    changed = (out.float() - plain.float()).abs().amax(dim=(1, 2)) > 0
+    in_span = torch.zeros(len(out), dtype=torch.bool)
+    for req, spans in enumerate(MIXED_SPANS):
+        context = MIXED[req][0]
+        for start, end in spans:
+            # the last token of a span sees nothing new
+            for pos in range(max(start, context), end - 1):
+                in_span[qsl[req] + pos - context] = True
+    assert torch.equal(changed, in_span)
 
 
 @pytest.mark.parametrize("sliding_window", [None, 6])

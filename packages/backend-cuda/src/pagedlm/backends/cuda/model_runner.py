@@ -33,6 +33,7 @@ the middle of a run.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -332,7 +333,11 @@ class CudaModelRunner(ModelRunner):
             replay, (hidden,) = self._mixed_graphs[padded]
             replay()
             return hidden[:num_tokens]
-        metadata = self._metadata(self._stage(step, num_tokens, num_reqs))
+        common = self._stage(step, num_tokens, num_reqs)
+        if self.encoder_runner is not None:
+            common = dataclasses.replace(
+                common, bidirectional_spans=self.encoder_runner.bidirectional_spans(step, self.input_batch.requests))
+        metadata = self._metadata(common)
         input_ids, positions = self._ids_positions(num_tokens)
         self.feed_sampled_tokens(input_ids, step)
         with set_forward_context(metadata), multimodal_embeddings(self.model, step.mm_embeds):

@@ -60,6 +60,9 @@ class TritonAttentionMetadata:
     num_splits: int = 1
     #: ``[B]`` int32, decode-only steps: requests longest context first (see the kernel's load balance)
     req_order: torch.Tensor | None = None
+    #: ``[T]`` int32, steps with bidirectional spans (Gemma 3's images): per token, the end of
+    #: the span it is in (0 outside one); None otherwise. Such steps run eagerly, never in graphs.
+    span_end: torch.Tensor | None = None
 
 
 class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMetadata]):
@@ -107,7 +110,26 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
             slot_mapping=common.slot_mapping,
             num_splits=num_splits,
             req_order=common.decode_order if common.max_query_len == 1 else None,
+            span_end=_span_end(common),
         )
+
+
+def _span_end(common: CommonAttentionMetadata) -> torch.Tensor | None:
+    """The step's ``span_end`` per token from ``common.bidirectional_spans``, or None. A span is
+    clipped to the request's ``seq_len``: keys past it are not in the cache."""
+    spans = common.bidirectional_spans
+    if not spans or not any(spans):
+        return None
+    qsl = common.query_start_loc_cpu.tolist()
+    seq_lens = common.seq_lens_cpu.tolist()
+    span_end = torch.zeros(common.num_actual_tokens, dtype=torch.int32)
+    for req, req_spans in enumerate(spans):
+        context = seq_lens[req] - (qsl[req + 1] - qsl[req])
+        for start, end in req_spans:
+            lo, hi = max(start, context), min(end, seq_lens[req])
+            if lo < hi:
+                span_end[qsl[req] + lo - context : qsl[req] + hi - context] = hi
+    return span_end.to(common.query_start_loc.device, non_blocking=True)
 
 
 class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
@@ -174,6 +196,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             soft_cap=self.logits_soft_cap, num_splits=metadata.num_splits, req_order=metadata.req_order,
             config=self.kernel_config,
             k_scale=self.k_scale if fp8 else None, v_scale=self.v_scale if fp8 else None,
+            span_end=metadata.span_end,
         )
         return out
 
@@ -190,6 +213,8 @@ class TritonAttentionBackend(AttentionBackend):
     #: a mixed launch's grid depends only on the padded token and request counts, and a padded
     #: request (no query tokens) or token (slot -1, in no request) does nothing
     supports_mixed_graphs = True
+    #: tokens of an image see each other both ways (``span_end``; Gemma 3)
+    supports_bidirectional_spans = True
     #: float8_e4m3fn with per-layer scales: written by kernels/kv_cache_fp8.py, read rescaled
     supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3")
 

@@ -189,7 +189,7 @@ def _tile_start(query_start_loc_ptr, req, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, req_order_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr, k_scale_ptr, v_scale_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, k_scale_ptr, v_scale_ptr, span_end_ptr,
     num_reqs, num_heads, scale, soft_cap, sliding_window, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -198,7 +198,7 @@ def _paged_attention_kernel(
     SPLIT_KV: tl.constexpr, DECODE_ONLY: tl.constexpr, ORDERED: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOTS: tl.constexpr, FP8_KV: tl.constexpr, FP8_FP16_DOTS: tl.constexpr, FP8_MMA: tl.constexpr,
-    ON_GPU: tl.constexpr, USE_PDL: tl.constexpr,
+    ON_GPU: tl.constexpr, HAS_SPANS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
     split = tl.program_id(2)
@@ -254,6 +254,13 @@ def _paged_attention_kernel(
         # -- key range: causal end of this tile, window start, then this split's slice ----------
         last_q = tl.minimum(q_tile_start + BLOCK_Q, q_len) - 1
         kv_end = context_len + last_q + 1
+        # each row sees the keys before q_limit: its causal end, or past it the end of the
+        # bidirectional span (an image) its token is in
+        q_limit = q_pos + 1
+        if HAS_SPANS:
+            span_end = tl.load(span_end_ptr + token, mask=row_valid, other=0)
+            q_limit = tl.maximum(q_limit, span_end)
+            kv_end = tl.maximum(kv_end, tl.max(tl.where(row_valid, q_limit, 0), 0))
         kv_begin = 0
         if USE_WINDOW:
             kv_begin = tl.maximum(context_len + q_tile_start - sliding_window + 1, 0)
@@ -326,7 +333,7 @@ def _paged_attention_kernel(
                     s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * _LOG2E
                 else:
                     s = s * (qk_scale * _LOG2E)
-                visible = row_valid[:, None] & pos_valid[None, :] & (pos[None, :] <= q_pos[:, None])
+                visible = row_valid[:, None] & pos_valid[None, :] & (pos[None, :] < q_limit[:, None])
                 if USE_WINDOW:
                     visible = visible & (pos[None, :] > q_pos[:, None] - sliding_window)
                 s = tl.where(visible, s, float("-inf"))
@@ -448,6 +455,7 @@ def paged_attention(
     config: dict[str, int] | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    span_end: torch.Tensor | None = None,
 ) -> None:
     """Attention of ``num_tokens`` flat query rows over the paged cache, written into ``out``.
 
@@ -465,6 +473,10 @@ def paged_attention(
         config: optional overrides of ``BLOCK_M``/``BLOCK_N``/``num_warps``/``num_stages``
         k_scale, v_scale: ``[1]`` float32 with a float8 cache (stored = value / scale): the tiles
             are rescaled to the query's dtype as they load; None for a cache in the query's dtype
+        span_end: ``[>= num_tokens]`` int32 or None: per query token, the end position of the
+            bidirectional span (an image) it is in, 0 outside one; such a token also sees the
+            span's keys after its own position (the keys must be in the cache: whole spans are
+            computed in one step). Its launches take the prefill grid.
     """
     if num_tokens == 0 or num_reqs == 0:
         return
@@ -473,7 +485,7 @@ def paged_attention(
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     head_pad = max(16, triton.next_power_of_2(head_size))
-    decode_only = max_query_len == 1
+    decode_only = max_query_len == 1 and span_end is None
     fp32 = query.dtype == torch.float32
     fp8_kv = key_cache.dtype != query.dtype
     if fp8_kv and (k_scale is None or v_scale is None):
@@ -510,6 +522,7 @@ def paged_attention(
         out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
         req_order if ordered else seq_lens, part_acc, part_max, part_sum,
         k_scale if fp8_kv else seq_lens, v_scale if fp8_kv else seq_lens,
+        span_end if span_end is not None else seq_lens,
         num_reqs, num_heads, float(scale), float(soft_cap or 1.0), int(sliding_window or 0), num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
@@ -520,7 +533,7 @@ def paged_attention(
         DOT_PRECISION="ieee" if fp32 else "tf32",
         UPCAST_DOTS=INTERPRET and query.dtype == torch.bfloat16, FP8_KV=fp8_kv,
         FP8_FP16_DOTS=fp8_kv and not fp32 and not fp8_mma, FP8_MMA=fp8_mma,
-        ON_GPU=not INTERPRET,
+        ON_GPU=not INTERPRET, HAS_SPANS=span_end is not None,
         num_warps=num_warps, num_stages=num_stages, **pdl_options(query.device),
     )
     if num_splits > 1:
