@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 
 from pagedlm.core.config_base import _STR_TO_DTYPE, _dtype_name, _Freezable
-from pagedlm.core.feature_configs import LoRAConfig, ProfilerConfig, StructuredOutputsConfig
+from pagedlm.core.feature_configs import CompilationConfig, LoRAConfig, ProfilerConfig, StructuredOutputsConfig
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 #: ``kv_cache_dtype`` values: the model dtype, or float8 e4m3 with per-tensor scales
@@ -443,6 +443,9 @@ class VllmConfig(_Freezable):
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    #: which device graphs are captured (vLLM's ``CompilationConfig``; ``cudagraph_mode="NONE"``
+    #: sets ``enforce_eager``)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     attention_backend: str | None = None
     enforce_eager: bool = False
     #: the model's quantization method (``pagedlm.core.layers.quantization.QuantizationConfig``),
@@ -515,6 +518,8 @@ class VllmConfig(_Freezable):
 
             check_speculative_config(self)
         self._resolve_async_scheduling(platform.supports_async_scheduling)
+        if self.compilation_config.cudagraph_mode == "NONE":
+            self.enforce_eager = True
         if self.kv_transfer_config is not None:
             from pagedlm.core.distributed.kv_transfer.factory import check_kv_transfer_config
 

@@ -1,5 +1,6 @@
 """The configs of the engine's optional features (``VllmConfig``'s ``profiler_config``,
-``lora_config``, ``structured_outputs_config``), re-exported by ``pagedlm.core.config``."""
+``lora_config``, ``structured_outputs_config``, ``compilation_config``), re-exported by
+``pagedlm.core.config``."""
 
 from __future__ import annotations
 
@@ -135,3 +136,74 @@ class StructuredOutputsConfig(_Freezable):
         if unknown:
             raise ValueError(f"structured_outputs_config has unknown fields {unknown}; known: {sorted(known)}")
         return cls(**value)
+
+
+#: vLLM's ``cudagraph_mode`` names; pagedlm's device graphs are whole forwards, so the modes with
+#: piecewise graphs capture whole-forward mixed-batch graphs instead
+CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY", "FULL", "FULL_AND_PIECEWISE", "PIECEWISE")
+
+
+@dataclass
+class CompilationConfig(_Freezable):
+    """vLLM's ``CompilationConfig`` (``LLM(compilation_config=...)``, ``--compilation-config`` /
+    ``-cc`` JSON), as far as pagedlm has it: which device graphs are captured.
+
+    - ``cudagraph_mode``: None (the platform's default: on CUDA, decode and mixed-batch graphs),
+      ``"NONE"`` (no graphs, as ``enforce_eager=True``), ``"FULL_DECODE_ONLY"`` (decode-only
+      steps only), ``"FULL"``, ``"FULL_AND_PIECEWISE"`` or ``"PIECEWISE"`` (decode and mixed-batch
+      graphs: pagedlm has no torch.compile pieces, every graph is a whole forward).
+    - ``cudagraph_capture_sizes``: the decode batch sizes that get a graph (a step pads up to the
+      next one; larger steps run eagerly), sizes above ``max_num_seqs`` dropped as vLLM does.
+    - ``max_cudagraph_capture_size``: the largest decode batch, and mixed-step token count, with a
+      graph (on the CPU platform it also caps ``PAGEDLM_CPU_GRAPH_MAX_BATCH``).
+    - ``level`` / ``mode`` (vLLM's torch.compile levels 0-3; an int ``compilation_config=3`` sets
+      ``level``): accepted; pagedlm does not run torch.compile, so they change nothing.
+    """
+
+    level: int | None = None
+    mode: int | None = None
+    cudagraph_mode: str | None = None
+    cudagraph_capture_sizes: list[int] | None = None
+    max_cudagraph_capture_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("level", "mode"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or value not in (0, 1, 2, 3)):
+                raise ValueError(f"compilation_config.{name}={value!r} must be one of 0, 1, 2, 3 (vLLM's "
+                                 "torch.compile levels; pagedlm accepts them and does not compile)")
+        if self.cudagraph_mode is not None and self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"compilation_config.cudagraph_mode={self.cudagraph_mode!r} is not supported; allowed: "
+                             f"{', '.join(CUDAGRAPH_MODES)}")
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None:
+            if not isinstance(sizes, list | tuple) or not all(_positive_int(s) for s in sizes):
+                raise ValueError(f"compilation_config.cudagraph_capture_sizes={sizes!r} must be a list of integers "
+                                 ">= 1")
+            self.cudagraph_capture_sizes = sorted(set(sizes))
+        top = self.max_cudagraph_capture_size
+        if top is not None and not _positive_int(top):
+            raise ValueError(f"compilation_config.max_cudagraph_capture_size={top!r} must be an integer >= 1")
+
+    @classmethod
+    def from_any(cls, value: CompilationConfig | dict[str, Any] | int | None) -> CompilationConfig:
+        """A config from a ``CompilationConfig``, a dict of its fields (unknown ones refused by
+        name), an int (vLLM's level) or None."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return cls(level=value)
+        if not isinstance(value, dict):
+            raise ValueError(f"compilation_config={value!r} must be a CompilationConfig, a dict of its fields or "
+                             "an int (vLLM's level)")
+        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"compilation_config has unknown fields {unknown}; allowed: "
+                             f"{[f.name for f in dataclasses.fields(cls)]}")
+        return cls(**value)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

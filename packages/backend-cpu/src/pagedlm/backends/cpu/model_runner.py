@@ -82,6 +82,9 @@ class CpuModelRunner(ModelRunner):
     def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
         super().__init__(vllm_config, device)
         self.max_graph_batch = 0 if vllm_config.enforce_eager else cpu_graph_max_batch()
+        cap = vllm_config.compilation_config.max_cudagraph_capture_size
+        if cap is not None:
+            self.max_graph_batch = min(self.max_graph_batch, cap)
         self._graphs: dict[int, _DecodeGraph] = {}
         #: the logits of the current step when its graph computed them
         self._graph_logits: torch.Tensor | None = None

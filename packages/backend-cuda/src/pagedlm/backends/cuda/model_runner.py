@@ -56,7 +56,7 @@ from pagedlm.core.worker.prompt_embeds import forward_with_embeddings, gather_st
 
 logger = init_logger(__name__)
 
-__all__ = ["CudaModelRunner", "default_capture_sizes"]
+__all__ = ["CudaModelRunner", "capture_sizes", "default_capture_sizes"]
 
 
 #: most block-table entries a step stages as whole rows (1 MiB of int32)
@@ -87,6 +87,21 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_num_seqs} | {min(max_num_seqs, 512)})
 
 
+def capture_sizes(max_num_seqs: int, max_num_tokens: int, sizes: list[int] | None,
+                  max_size: int | None) -> tuple[list[int], list[int]]:
+    """``(decode batch sizes, mixed-step token counts)`` with a graph: ``compilation_config``'s
+    ``cudagraph_capture_sizes`` (those up to ``max_num_seqs``) or the defaults, then both lists
+    cut at its ``max_cudagraph_capture_size``."""
+    decode = [s for s in sizes if s <= max_num_seqs] if sizes is not None else default_capture_sizes(max_num_seqs)
+    mixed = default_mixed_capture_sizes(max_num_tokens)
+    if max_size is not None:
+        decode = [s for s in decode if s <= max_size]
+        if sizes is None and max_size < max_num_seqs:
+            decode = sorted(set(decode) | {max_size})  # the default list ends at its cap
+        mixed = [s for s in mixed if s <= max_size]
+    return decode, mixed
+
+
 class CudaModelRunner(ModelRunner):
     supports_prompt_embeds = True
     #: run the graph bookkeeping on a non-CUDA device with a stand-in "graph" that re-runs the
@@ -115,7 +130,9 @@ class CudaModelRunner(ModelRunner):
         single_stage = vllm_config.parallel_config.pipeline_parallel_size == 1
         self.use_graphs = (on_cuda and not vllm_config.enforce_eager and single_stage
                            and self.attn_backend.supports_graphs) or self.emulate_graphs
-        self.capture_sizes = default_capture_sizes(self.max_num_reqs)
+        cc = vllm_config.compilation_config
+        self.capture_sizes, mixed_sizes = capture_sizes(self.max_num_reqs, self.max_num_tokens,
+                                                        cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size)
         self.max_capture_size = self.capture_sizes[-1] if self.capture_sizes else 0
         #: padded batch size -> (replay, (hidden states, logits) written by the captured forward)
         self._graphs: dict[int, tuple[Callable[[], None], tuple[torch.Tensor, ...]]] = {}
@@ -124,8 +141,9 @@ class CudaModelRunner(ModelRunner):
         self._pad_to = np.zeros(self.max_capture_size + 1, dtype=np.int64)
         for size in reversed(self.capture_sizes):
             self._pad_to[: size + 1] = size
-        mixed = self.use_graphs and self.attn_backend.supports_mixed_graphs
-        self.mixed_capture_sizes = default_mixed_capture_sizes(self.max_num_tokens) if mixed else []
+        mixed = (self.use_graphs and self.attn_backend.supports_mixed_graphs
+                 and cc.cudagraph_mode != "FULL_DECODE_ONLY")
+        self.mixed_capture_sizes = mixed_sizes if mixed else []
         spec = vllm_config.speculative_config
         if self.mixed_capture_sizes and spec is not None:  # verification steps: smaller graphs too
             self.mixed_capture_sizes = verification_capture_sizes(
@@ -550,8 +568,9 @@ class CudaModelRunner(ModelRunner):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.capture_time_s = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs for decode batch sizes %d..%d and %d for mixed batches of "
-                    "up to %d tokens in %.2fs", len(self._graphs), self.capture_sizes[0], self.capture_sizes[-1],
+        logger.info("captured %d CUDA graphs for decode batch sizes %s and %d for mixed batches of "
+                    "up to %d tokens in %.2fs", len(self._graphs),
+                    f"{self.capture_sizes[0]}..{self.capture_sizes[-1]}" if self.capture_sizes else "(none)",
                     len(self._mixed_graphs), self.max_mixed_capture_size, self.capture_time_s)
 
     def _capture(self, forward: Callable[[], tuple[torch.Tensor, ...]],

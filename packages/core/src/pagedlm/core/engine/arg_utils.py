@@ -13,6 +13,7 @@ from typing import Any
 from pagedlm.core import envs
 from pagedlm.core.config import (
     CacheConfig,
+    CompilationConfig,
     DeviceConfig,
     LoadConfig,
     LoRAConfig,
@@ -61,6 +62,10 @@ _HELP = {
     "served_model_name": "model name reported in outputs and by the server",
     "attention_backend": "force an attention backend by its registered name",
     "enforce_eager": "never capture device graphs",
+    "compilation_config": 'vLLM\'s CompilationConfig as a JSON object (alias -cc), e.g. \'{"cudagraph_mode": '
+    '"FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8]}\' (cudagraph_mode NONE, FULL_DECODE_ONLY, FULL, '
+    "FULL_AND_PIECEWISE or PIECEWISE; cudagraph_capture_sizes; max_cudagraph_capture_size), or vLLM's level 0-3 "
+    "(accepted, no effect: pagedlm does not run torch.compile)",
     "hf_overrides": "JSON object of HF config fields to override (nested objects update sub-configs)",
     "disable_log_stats": "collect no request statistics (LLM.get_metrics needs them; LLM() defaults to off)",
     "tokenizer_mode": "vLLM's option: 'auto' or 'hf' (both the fast HF tokenizer; other modes are refused)",
@@ -146,6 +151,7 @@ class EngineArgs:
     served_model_name: str | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
+    compilation_config: dict[str, Any] | int | CompilationConfig | None = None
     disable_log_stats: bool = False
     hf_overrides: dict[str, Any] | None = None
     tokenizer_mode: str = "auto"
@@ -250,6 +256,7 @@ class EngineArgs:
             device_config=DeviceConfig(device=self.device),
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
+            compilation_config=CompilationConfig.from_any(self.compilation_config),
             lora_config=LoRAConfig(max_lora_rank=self.max_lora_rank, max_loras=self.max_loras,
                                    max_cpu_loras=self.max_cpu_loras, lora_dtype=self.lora_dtype,
                                    fully_sharded_loras=self.fully_sharded_loras) if self.enable_lora else None,
@@ -296,6 +303,7 @@ class EngineArgs:
             if f.name in skip:
                 continue
             flag = "--" + f.name.replace("_", "-")
+            flags = (flag, "-cc") if f.name == "compilation_config" else (flag,)
             hint = hints[f.name]
             base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
             if base is bool:
@@ -305,7 +313,7 @@ class EngineArgs:
                 group.add_argument(flag, nargs="+", default=f.default, help=_HELP.get(f.name), dest=f.name)
             else:
                 parse = json.loads if typing.get_origin(base) is dict else base  # JSON objects on the CLI
-                group.add_argument(flag, type=parse, default=f.default, help=_HELP.get(f.name),
+                group.add_argument(*flags, type=parse, default=f.default, help=_HELP.get(f.name),
                                    dest=f.name)
         if "kv_offloading_size" not in skip:
             group.add_argument("--kv-offload-gib", type=float, dest="kv_offloading_size", default=None,
