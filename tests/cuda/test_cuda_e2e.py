@@ -173,6 +173,26 @@ def test_graph_padding_and_capture_sizes(tiny_checkpoints, engine_kwargs):
     assert sum(replays.values()) >= 1
 
 
+def test_compilation_config_graphs(tiny_checkpoints, references, engine_kwargs):
+    """vLLM's ``compilation_config``: decode graphs of the sizes asked for only
+    (``FULL_DECODE_ONLY``), replayed for 1-4 requests, HF's tokens throughout."""
+    from pagedlm.core import LLM
+    from pagedlm.core.testing import assert_greedy_matches_hf
+
+    ps, refs = references
+    cc = {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4]}
+    llm = LLM(model=tiny_checkpoints["qwen3"], dtype="float32", compilation_config=cc, **engine_kwargs)
+    try:
+        runner = llm.llm_engine.core.executor.worker.model_runner
+        assert sorted(runner._graphs) == [1, 2, 4] and runner._mixed_graphs == {}
+        for n in (1, 3, len(ps)):
+            forgiven = assert_greedy_matches_hf(tiny_checkpoints["qwen3"], ps[:n], MAX_NEW, llm=llm,
+                                                reference=refs["qwen3"][:n])
+            assert forgiven <= 1
+    finally:
+        llm.shutdown()
+
+
 def count_mixed_replays(runner) -> dict[int, int]:
     counts = dict.fromkeys(runner._mixed_graphs, 0)
     for size, (replay, out) in list(runner._mixed_graphs.items()):
