@@ -48,3 +48,20 @@ def device():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (or TRITON_INTERPRET=1 for the interpreter)")
     return torch.device("cuda")
+
+
+@pytest.fixture
+def engine_kwargs(device, monkeypatch):
+    """LLM(...) options that put the engine on the CUDA runner and the Triton backend."""
+    if device.type == "cuda":
+        return {"device": "cuda"}
+    from pagedlm.backends.cpu.platform import CpuPlatform
+    from pagedlm.backends.cuda.model_runner import CudaModelRunner
+
+    monkeypatch.setattr(CpuPlatform, "get_model_runner_cls",
+                        lambda self, cfg: "pagedlm.backends.cuda.model_runner:CudaModelRunner")
+    monkeypatch.setattr(CudaModelRunner, "emulate_graphs", True)
+    # few graph sizes: every emulated capture is a forward pass through the slow interpreter
+    # (a 64-token budget: one mixed-batch graph)
+    return {"device": "cpu", "attention_backend": "triton", "num_gpu_blocks_override": 64, "max_num_seqs": 8,
+            "max_num_batched_tokens": 64}

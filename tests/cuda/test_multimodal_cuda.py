@@ -2,7 +2,7 @@
 Triton kernel's spans) and LLaVA-1.5 checkpoints give HF transformers' greedy tokens (fp32), with
 prefix caching (the same prompts twice: the second round hits the cache), without it, and with
 chunked prefill. Under ``TRITON_INTERPRET=1`` the same runs on the CPU with the Triton backend and
-the CUDA model runner (graphs emulated), as ``test_cuda_e2e.py`` does."""
+the CUDA model runner (graphs emulated: conftest's ``engine_kwargs``)."""
 
 from __future__ import annotations
 
@@ -40,24 +40,10 @@ def family(request, tiny_gemma3_vision, tiny_llava):
     return model, prompts, hf_multimodal_greedy(*load_hf_vlm(model), prompts, MAX_NEW)
 
 
-@pytest.fixture
-def engine_kwargs(device, monkeypatch):
-    if device.type == "cuda":
-        return {"device": "cuda"}
-    from pagedlm.backends.cpu.platform import CpuPlatform
-    from pagedlm.backends.cuda.model_runner import CudaModelRunner
-
-    monkeypatch.setattr(CpuPlatform, "get_model_runner_cls",
-                        lambda self, cfg: "pagedlm.backends.cuda.model_runner:CudaModelRunner")
-    monkeypatch.setattr(CudaModelRunner, "emulate_graphs", True)
-    return {"device": "cpu", "attention_backend": "triton", "max_num_seqs": 4}
-
-
 @pytest.mark.parametrize("mode", list(MODES))
 def test_images_match_hf_greedy_twice(family, mode, engine_kwargs):
     model, prompts, reference = family
-    options = {"max_model_len": 256, "num_gpu_blocks_override": 96, "block_size": 16, **engine_kwargs,
-               **MODES[mode]}
+    options = {**engine_kwargs, "max_model_len": 256, "block_size": 16, **MODES[mode]}
     llm = LLM(model=model, dtype="float32", **options)
     requests = [{"prompt": text, "multi_modal_data": {"image": images}} for text, images in prompts]
     try:
