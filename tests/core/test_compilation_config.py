@@ -19,6 +19,8 @@ def test_accepted_forms():
     config = CompilationConfig.from_any({"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [8, 1, 4, 4]})
     assert config.cudagraph_mode == "FULL_DECODE_ONLY" and config.cudagraph_capture_sizes == [1, 4, 8]
     assert CompilationConfig.from_any(config) is config
+    assert CompilationConfig().cudagraph_num_of_warmups == 0  # vLLM's default
+    assert CompilationConfig.from_any({"cudagraph_num_of_warmups": 2}).cudagraph_num_of_warmups == 2
 
 
 @pytest.mark.parametrize("value, message", [
@@ -26,6 +28,8 @@ def test_accepted_forms():
     ({"cudagraph_capture_sizes": [1, 0]}, r"cudagraph_capture_sizes=\[1, 0\] must be a list of integers >= 1"),
     ({"cudagraph_capture_sizes": 8}, r"cudagraph_capture_sizes=8 must be a list"),
     ({"max_cudagraph_capture_size": True}, r"max_cudagraph_capture_size=True must be an integer >= 1"),
+    ({"cudagraph_num_of_warmups": -1}, r"cudagraph_num_of_warmups=-1 must be an integer >= 0"),
+    ({"cudagraph_num_of_warmups": 1.5}, r"cudagraph_num_of_warmups=1.5 must be an integer >= 0"),
     ({"level": 4}, r"compilation_config.level=4 must be one of 0, 1, 2, 3"),
     (7, r"compilation_config.level=7"),
     ({"custom_ops": ["all"]}, r"unknown fields \['custom_ops'\]; allowed: \['level'"),

@@ -176,6 +176,35 @@ def test_compilation_config_graphs(tiny_checkpoints, references, engine_kwargs):
         llm.shutdown()
 
 
+def test_capture_warmups(tiny_checkpoints, references, engine_kwargs, monkeypatch):
+    """The first graph of each kind is captured after an eager run, every graph after
+    ``cudagraph_num_of_warmups`` more; the graphs then replay HF's tokens."""
+    from pagedlm.backends.cuda.model_runner import CudaModelRunner
+    from pagedlm.core import LLM
+    from pagedlm.core.testing import assert_greedy_matches_hf
+
+    warmups: list[int] = []
+    capture = CudaModelRunner._capture
+
+    def recording(self, forward, pool, n):
+        warmups.append(n)
+        return capture(self, forward, pool, n)
+
+    monkeypatch.setattr(CudaModelRunner, "_capture", recording)
+    ps, refs = references
+    cc = {"cudagraph_capture_sizes": [1, 2, 4], "cudagraph_num_of_warmups": 2}
+    llm = LLM(model=tiny_checkpoints["qwen3"], dtype="float32", compilation_config=cc, **engine_kwargs)
+    try:
+        runner = llm.llm_engine.core.executor.worker.model_runner
+        mixed = len(runner._mixed_graphs)
+        assert mixed >= 1 and sorted(runner._graphs) == [1, 2, 4]
+        assert warmups == [3] + [2] * (mixed - 1) + [3, 2, 2]
+        assert assert_greedy_matches_hf(tiny_checkpoints["qwen3"], ps[:3], MAX_NEW, llm=llm,
+                                        reference=refs["qwen3"][:3]) <= 1
+    finally:
+        llm.shutdown()
+
+
 def count_mixed_replays(runner) -> dict[int, int]:
     counts = dict.fromkeys(runner._mixed_graphs, 0)
     for size, (replay, out) in list(runner._mixed_graphs.items()):

@@ -156,6 +156,8 @@ class CompilationConfig(_Freezable):
       next one; larger steps run eagerly), sizes above ``max_num_seqs`` dropped as vLLM does.
     - ``max_cudagraph_capture_size``: the largest decode batch, and mixed-step token count, with a
       graph (on the CPU platform it also caps ``PAGEDLM_CPU_GRAPH_MAX_BATCH``).
+    - ``cudagraph_num_of_warmups``: eager runs of a forward before its graph is captured (default
+      0, as vLLM's; the first graph of each kind always gets one).
     - ``level`` / ``mode`` (vLLM's torch.compile levels 0-3; an int ``compilation_config=3`` sets
       ``level``): accepted; pagedlm does not run torch.compile, so they change nothing.
     """
@@ -165,6 +167,7 @@ class CompilationConfig(_Freezable):
     cudagraph_mode: str | None = None
     cudagraph_capture_sizes: list[int] | None = None
     max_cudagraph_capture_size: int | None = None
+    cudagraph_num_of_warmups: int = 0
 
     def __post_init__(self) -> None:
         for name in ("level", "mode"):
@@ -184,6 +187,9 @@ class CompilationConfig(_Freezable):
         top = self.max_cudagraph_capture_size
         if top is not None and not _positive_int(top):
             raise ValueError(f"compilation_config.max_cudagraph_capture_size={top!r} must be an integer >= 1")
+        warmups = self.cudagraph_num_of_warmups
+        if not (_positive_int(warmups) or warmups == 0) or isinstance(warmups, bool):
+            raise ValueError(f"compilation_config.cudagraph_num_of_warmups={warmups!r} must be an integer >= 0")
 
     @classmethod
     def from_any(cls, value: CompilationConfig | dict[str, Any] | int | None) -> CompilationConfig:

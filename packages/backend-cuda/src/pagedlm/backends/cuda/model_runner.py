@@ -538,10 +538,22 @@ class CudaModelRunner(ModelRunner):
     def capture_model(self) -> None:
         """Capture one mixed-batch graph per token count in ``mixed_capture_sizes``, then one
         decode graph per size in ``capture_sizes``, largest first (later, smaller graphs then
-        reuse the first one's memory pool)."""
+        reuse the first one's memory pool).
+
+        NOTE: the first graph of each kind is captured after an eager run of its forward, which
+        does the lazy initialisations a capture must not (cuBLAS's workspace on the capture
+        stream: captured without any warm-up, an fp32 model failed on the H200 with
+        ``CUBLAS_STATUS_INTERNAL_ERROR``); the split-K counters of the GEMV kernels are made here,
+        eagerly. The other sizes get ``compilation_config.cudagraph_num_of_warmups`` eager runs
+        (vLLM's field; default 0): one per size was 1.2-1.6 s of a start-up (47 graphs, H200)."""
         assert self.model is not None
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        extra_warmups = self.vllm_config.compilation_config.cudagraph_num_of_warmups
+        if self.device.type == "cuda":
+            from pagedlm.backends.cuda.kernels.wna16_gemv import split_k_counters
+
+            split_k_counters(self.device, 1)
         # NOTE: every KV-cache group's metadata reads its own persistent block table and slot
         # mapping segment (_metadata), so models of several groups replay these graphs too.
         for size in reversed(self.mixed_capture_sizes):
@@ -552,7 +564,8 @@ class CudaModelRunner(ModelRunner):
                 with set_forward_context(metadata):
                     return (self.model(input_ids, positions),)  # type: ignore[misc]
 
-            self._mixed_graphs[size] = self._capture(mixed_forward, pool)
+            first = size == self.mixed_capture_sizes[-1]
+            self._mixed_graphs[size] = self._capture(mixed_forward, pool, extra_warmups + first)
         for size in reversed(self.capture_sizes):
             metadata = self._metadata(self._stage(None, size, size))
             input_ids, positions = self._ids_positions(size)
@@ -564,7 +577,8 @@ class CudaModelRunner(ModelRunner):
                     hidden = self.model(input_ids, positions)  # type: ignore[misc]
                 return hidden, self.model.compute_logits(hidden)  # type: ignore[union-attr, operator]
 
-            self._graphs[size] = self._capture(forward, pool)
+            first = size == self.capture_sizes[-1]
+            self._graphs[size] = self._capture(forward, pool, extra_warmups + first)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.capture_time_s = time.perf_counter() - start
@@ -573,12 +587,9 @@ class CudaModelRunner(ModelRunner):
                     f"{self.capture_sizes[0]}..{self.capture_sizes[-1]}" if self.capture_sizes else "(none)",
                     len(self._mixed_graphs), self.max_mixed_capture_size, self.capture_time_s)
 
-    def _capture(self, forward: Callable[[], tuple[torch.Tensor, ...]],
-                 pool) -> tuple[Callable[[], None], tuple[torch.Tensor, ...]]:
-        """A graph of ``forward`` (its replay and outputs), after one eager run of it.
-
-        NOTE: every capture needs that warm-up: captured without one, cuBLAS failed
-        (``CUBLAS_STATUS_INTERNAL_ERROR`` in ``cublasSgemm``) on the H200 for an fp32 model."""
+    def _capture(self, forward: Callable[[], tuple[torch.Tensor, ...]], pool,
+                 warmups: int) -> tuple[Callable[[], None], tuple[torch.Tensor, ...]]:
+        """A graph of ``forward`` (its replay and outputs), after ``warmups`` eager runs of it."""
         if self.device.type != "cuda":
             # stand-in for tests: "replay" re-runs the forward into the same output tensors
             out = forward()
@@ -588,7 +599,8 @@ class CudaModelRunner(ModelRunner):
                     dst.copy_(src)
 
             return replay, out
-        forward()
+        for _ in range(warmups):
+            forward()
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
