@@ -70,3 +70,31 @@ def test_no_kernel_compiles_after_start_up(tiny_checkpoints, device, enforce_eag
     lazy = [name for name, warmup in compiles if not warmup]
     assert not lazy, f"compiled on first launch instead of at start-up: {lazy}"
     assert len(compiles) == at_start, f"compiled after start-up: {compiles[at_start:]}"
+
+
+def test_a_failed_compile_pass_leaves_the_next_one_working(device):
+    """A variant that fails to compile fails its ``compile_only`` block with Triton's error, and
+    the process's next block (the next ``LLM(...)``) still compiles: Triton 3.6 left its compile
+    mode active after the failure, and every later start-up of the process then failed."""
+    if device.type != "cuda":
+        pytest.skip("compiling is what the interpreter does not do")
+    import torch
+    import triton
+    import triton.language as tl
+
+    from pagedlm.backends.cuda.kernels.launch import compile_only, launch
+
+    @triton.jit
+    def refused(x_ptr, N: tl.constexpr):
+        tl.static_assert(N > 0, "N must be positive")
+        tl.store(x_ptr + tl.arange(0, N), 1.0)
+
+    x = torch.zeros(16, device=device)
+    with pytest.raises(Exception, match="N must be positive"):
+        with compile_only():
+            launch(refused, (1,), x, N=-16)
+    with compile_only() as stats:
+        launch(refused, (1,), x, N=16)
+    assert stats.num_variants == 1
+    launch(refused, (1,), x, N=16)
+    assert x.sum().item() == 16

@@ -92,15 +92,17 @@ def test_wna16_rows_1_to_300_and_split_k_counters_stay_zero(device):
     assert counters is not None and int(counters.abs().sum()) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("m, n, k", SHAPES)
-def test_fp8_scaled_mm_matches_reference(static, m, n, k, device):
+def test_fp8_scaled_mm_matches_reference(static, m, n, k, dtype, device):
+    """bf16 within bf16 rounding; float32 (the HF-parity configuration) without a bf16 output
+    rounding: within float32 summation-order noise on a GPU."""
     from pagedlm.backends.cuda.kernels.quant_gemm import fp8_scaled_mm
 
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         pytest.skip("FP8 needs compute capability 8.9+")
     gen = torch.Generator().manual_seed(1)
-    dtype = torch.bfloat16
     x = torch.randn(m, k, generator=gen).to(dtype).to(device)
     w = (torch.randn(n, k, generator=gen) * 0.1).to(torch.float8_e4m3fn).to(device)
     ws = (torch.rand(n, generator=gen) * 0.01 + 0.001).to(device)
@@ -108,7 +110,10 @@ def test_fp8_scaled_mm_matches_reference(static, m, n, k, device):
     bias = torch.randn(n, generator=gen).to(dtype).to(device)
     out = fp8_scaled_mm(x, w, ws, xs, bias)
     ref = fp8_scaled_mm_ref(x, w, ws, xs, bias)
-    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2 * ref.float().abs().max().item(), rtol=2e-2)
+    assert out.dtype == dtype
+    # (the interpreter's float8 cast rounds some values wrongly, so it keeps the looser bound)
+    tol = 1e-5 if dtype == torch.float32 and not INTERPRET else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol * ref.float().abs().max().item(), rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])

@@ -118,6 +118,17 @@ class _CompilePool(ThreadPoolExecutor):
         return super().submit(compile_and_build_launcher)
 
 
+def _leave_async_compile(mode: Any) -> None:
+    """Make sure ``mode`` is no longer Triton's active compile mode. NOTE: Triton 3.6 leaves it
+    active when a compile in the block failed, and every later :func:`compile_only` of the
+    process (the next ``LLM(...)``) then failed with "Another AsyncCompileMode is already active"
+    (seen on an H200, 2026-12-04)."""
+    from triton.runtime import _async_compile
+
+    if _async_compile.active_mode.get() is mode:
+        _async_compile.active_mode.set(None)
+
+
 class CompileStats:
     """What a :func:`compile_only` block did: ``num_variants`` compiled or loaded from Triton's
     disk cache (variants already in memory are not counted), in ``seconds`` of wall time."""
@@ -138,13 +149,16 @@ def compile_only(max_workers: int | None = None) -> Iterator[CompileStats]:
     start = time.perf_counter()
     with _CompilePool(max_workers, thread_name_prefix="triton-compile") as pool:
         mode = triton.AsyncCompileMode(pool)
-        with mode:
-            token = _COMPILE_ONLY.set(True)
-            try:
-                yield stats
-            finally:
-                _COMPILE_ONLY.reset(token)
-                stats.num_variants = len(mode.raw_futures)
+        try:
+            with mode:
+                token = _COMPILE_ONLY.set(True)
+                try:
+                    yield stats
+                finally:
+                    _COMPILE_ONLY.reset(token)
+                    stats.num_variants = len(mode.raw_futures)
+        finally:
+            _leave_async_compile(mode)
     # each variant's module is loaded onto the device here, in the start-up's compile pass,
     # rather than at its first launch
     for kernel in pool.compiled:

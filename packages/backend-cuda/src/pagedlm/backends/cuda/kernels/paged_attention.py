@@ -491,8 +491,9 @@ def paged_attention(
     if fp8_kv and (k_scale is None or v_scale is None):
         raise ValueError(f"a {key_cache.dtype} KV cache needs k_scale and v_scale")
     # decode-only launches over an FP8 cache under a 16-bit query take their scores on the FP8
-    # tensor cores (_fp8_decode_tiles); prefill tiles and soft-capped models read FP8 as float16
-    fp8_mma = fp8_kv and not fp32 and decode_only and soft_cap is None
+    # tensor cores (_fp8_decode_tiles); prefill tiles and soft-capped models read FP8 as float16,
+    # and so do heads under 32 values (an FP8 MMA's K is at least 32: Triton refuses smaller dots)
+    fp8_mma = fp8_kv and not fp32 and decode_only and soft_cap is None and head_pad >= 32
     cfg = dict(config or {})
     if decode_only:
         block_q = 1

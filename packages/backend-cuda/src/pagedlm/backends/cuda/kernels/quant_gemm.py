@@ -35,7 +35,7 @@ def _wna16_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_om, group_size, k_per_split,
     BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """``out [M, N] = x [M, K] @ dequant(qweight)``; program ``(m, n, split)`` computes one output
     tile over the K range ``[split * k_per_split, (split + 1) * k_per_split)``."""
@@ -67,7 +67,7 @@ def _wna16_kernel(
         else:
             z = 1 << (BITS - 1)
         w = ((q - z).to(tl.float32) * s.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        acc += tl.dot(x, w, out_dtype=tl.float32)
+        acc += tl.dot(x, w, out_dtype=tl.float32, input_precision=DOT_PRECISION)
     split_k_store(acc, out_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_om, pid_m * tl.num_programs(1) + pid_n,
                   pid_k, SPLIT_K)
 
@@ -112,8 +112,35 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
            part, counters if counters is not None else qweight,
            m, n, k, x.stride(0), out.stride(0), group_size, k_per_split,
            BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None, SPLIT_K=split,
-           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+           # float32 activations are the HF-parity configuration: no TF32 rounding of the dot
+           # (with it, a tiny W4A16 Llama's logprobs were 3e-2 from HF's on an H200)
+           DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     return out
+
+
+_FLOAT32_PRODUCTS: dict[torch.device, bool] = {}
+
+
+def _float32_products(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` gives float32 outputs under tensor-wise scales on ``device``
+    (asked once, eagerly; inside a graph capture before that: no). NOTE: a probe rather than an
+    assumption because this path had not run on an H200 yet when it was written (2026-12-04);
+    test_quant_kernels.py's float32 case fails if the probe says no."""
+    known = _FLOAT32_PRODUCTS.get(device)
+    if known is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        a = torch.zeros(16, 32, dtype=torch.float8_e4m3fn, device=device)
+        b = torch.zeros(16, 32, dtype=torch.float8_e4m3fn, device=device)
+        one = torch.ones((), dtype=torch.float32, device=device)
+        try:
+            torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+            known = True
+        except RuntimeError:
+            known = False
+        _FLOAT32_PRODUCTS[device] = known
+    return known
 
 
 def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -122,12 +149,18 @@ def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     static ``input_scale``) in one kernel, ``torch._scaled_mm`` with row-wise scales ``[M, 1] x [1, N]``."""
     shape = x.shape
     x_q, scale_a = quantize_rows(x.reshape(-1, shape[-1]), torch.float8_e4m3fn, input_scale)
-    out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-    # NOTE: row-wise scaling wants a bf16 output on Hopper; fp32 models get their result cast back.
+    scale_b = weight_scale.float().reshape(1, -1)
     # weight [N, K] row-major is the column-major [K, N] operand cuBLASLt's FP8 kernels take.
-    out = torch._scaled_mm(x_q, weight.t(), scale_a=scale_a, scale_b=weight_scale.float().reshape(1, -1),
-                           out_dtype=out_dtype)
-    out = out.to(x.dtype)
+    if x.dtype == torch.float32 and _float32_products(x.device):
+        # NOTE: row-wise scales need a bf16 output on Hopper, whose rounding (2^-9) a float32
+        # model (the HF-parity configuration) would see: its products come out in float32 under
+        # unit scales instead, scaled here in the reference's order
+        one = torch.ones((), dtype=torch.float32, device=x.device)
+        out = torch._scaled_mm(x_q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        out = out * scale_a * scale_b
+    else:
+        out_dtype = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
+        out = torch._scaled_mm(x_q, weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype).to(x.dtype)
     if bias is not None:
         out = out + bias
     return out.reshape(*shape[:-1], weight.shape[0])
