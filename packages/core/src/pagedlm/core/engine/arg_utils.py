@@ -78,6 +78,8 @@ _HELP = {
     "limit_mm_per_prompt": 'multimodal models: JSON object of the most items per prompt by modality, e.g. '
     '\'{"image": 2}\' (default 999 each)',
     "allowed_local_media_path": "multimodal chat: the directory file:// image URLs may read (default: none)",
+    "enable_mm_embeds": "multimodal models: accept precomputed image embeddings in multi_modal_data (a tensor "
+    "[num_items, feature_size, hidden_size] instead of images; offline LLM only)",
     "allowed_media_domains": "multimodal chat: hosts http(s) image URLs may be fetched from (default: none; "
     "fetch limits: VLLM_IMAGE_FETCH_TIMEOUT seconds, PAGEDLM_MAX_IMAGE_FETCH_BYTES)",
     "enable_sleep_mode": "allow sleep()/wake_up() (the server's /sleep, /wake_up, /is_sleeping): free the device "
@@ -162,6 +164,7 @@ class EngineArgs:
     enable_prompt_embeds: bool = False
     limit_mm_per_prompt: dict[str, int] | None = None
     allowed_local_media_path: str = ""
+    enable_mm_embeds: bool = False
     allowed_media_domains: list[str] | None = None
     enable_sleep_mode: bool = False
     runner: str = "auto"
@@ -222,6 +225,7 @@ class EngineArgs:
                 enable_prompt_embeds=self.enable_prompt_embeds,
                 limit_mm_per_prompt=self.limit_mm_per_prompt,
                 allowed_local_media_path=self.allowed_local_media_path,
+                enable_mm_embeds=self.enable_mm_embeds,
                 allowed_media_domains=self.allowed_media_domains,
                 enable_sleep_mode=self.enable_sleep_mode,
                 runner=self.runner,

@@ -81,6 +81,9 @@ class EncoderRunner:
         for f in features:
             if f.identifier in self.cache:
                 continue  # another request of the step brought the same item
+            if "image_embeds" in f.data:  # precomputed (enable_mm_embeds): nothing to encode
+                self.cache[f.identifier] = f.data["image_embeds"].to(device=self.device, dtype=self.dtype)
+                continue
             shapes = tuple((k, tuple(v.shape[1:])) for k, v in sorted(f.data.items()))
             groups.setdefault((f.modality, shapes), [])
             if all(g.identifier != f.identifier for g in groups[(f.modality, shapes)]):

@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pagedlm.core.multimodal.hasher import hash_image
+import torch
+
+from pagedlm.core.multimodal.hasher import hash_image, hash_tensor
 from pagedlm.core.multimodal.inputs import MultiModalFeature
 
 #: vLLM's default ``limit_mm_per_prompt`` for a modality the option does not name
@@ -123,7 +125,9 @@ class BaseMultiModalProcessor:
 
     # -- a prompt ----------------------------------------------------------------------------
     def parse_items(self, mm_data: Any) -> dict[str, list[Any]]:
-        """``multi_modal_data`` checked: modality -> its items (PIL images, RGB)."""
+        """``multi_modal_data`` checked: modality -> its items, PIL images (RGB) or, with
+        ``enable_mm_embeds``, precomputed embeddings ``[feature_size, hidden_size]`` (all of one
+        kind per modality)."""
         from PIL import Image
 
         if not isinstance(mm_data, Mapping):
@@ -134,24 +138,51 @@ class BaseMultiModalProcessor:
             if modality not in self.supported_modalities:
                 raise ValueError(f"multi_modal_data[{modality!r}]: {self.architecture} takes "
                                  f"{sorted(self.supported_modalities)} only")
-            values = list(value) if isinstance(value, (list, tuple)) else [value]
-            for i, item in enumerate(values):
-                if not isinstance(item, Image.Image):
-                    raise ValueError(f"multi_modal_data[{modality!r}][{i}] must be a PIL.Image.Image, "
-                                     f"got {type(item).__name__}")
+            if isinstance(value, torch.Tensor):
+                values = self._embeddings(modality, value)
+            else:
+                values = list(value) if isinstance(value, (list, tuple)) else [value]
+                for i, item in enumerate(values):
+                    if isinstance(item, torch.Tensor):
+                        raise ValueError(f"multi_modal_data[{modality!r}][{i}] is a tensor: precomputed "
+                                         f"embeddings go in as one tensor [num_items, feature_size, hidden_size], "
+                                         "not mixed with images in a list")
+                    if not isinstance(item, Image.Image):
+                        raise ValueError(f"multi_modal_data[{modality!r}][{i}] must be a PIL.Image.Image, "
+                                         f"got {type(item).__name__}")
             limit = self.limits[modality]
             if len(values) > limit:
                 raise ValueError(f"multi_modal_data[{modality!r}] has {len(values)} items but "
                                  f"limit_mm_per_prompt allows at most {limit} per prompt "
                                  f"(--limit-mm-per-prompt '{{\"{modality}\": N}}')")
-            items[modality] = [im if im.mode == "RGB" else im.convert("RGB") for im in values]
+            items[modality] = [im if isinstance(im, torch.Tensor) or im.mode == "RGB" else im.convert("RGB")
+                               for im in values]
         return items
+
+    def _embeddings(self, modality: str, value: torch.Tensor) -> list[torch.Tensor]:
+        """A tensor of precomputed item embeddings, checked: one ``[feature_size, hidden]`` per item."""
+        if not getattr(self.model_config, "enable_mm_embeds", False):
+            raise ValueError(f"multi_modal_data[{modality!r}] is a tensor (precomputed embeddings), which needs "
+                             "enable_mm_embeds=True (--enable-mm-embeds); without it, pass PIL images")
+        length = self.max_tokens_per_item(modality)
+        hidden = int(self.model_config.hidden_size)
+        if value.dim() == 2:
+            value = value.unsqueeze(0)
+        if value.dim() != 3 or tuple(value.shape[1:]) != (length, hidden) or not value.is_floating_point():
+            raise ValueError(f"multi_modal_data[{modality!r}] embeddings must be a floating-point tensor "
+                             f"[num_items, {length}, {hidden}] ({self.architecture}: {length} rows per item, "
+                             f"the language model's hidden size {hidden}); got {value.dtype} {tuple(value.shape)}")
+        if not torch.isfinite(value).all():
+            raise ValueError(f"multi_modal_data[{modality!r}] embeddings hold NaN or infinite values")
+        return [item.detach().to("cpu").contiguous() for item in value]
 
     def apply(self, prompt: str | Sequence[int], mm_data: Any, *,
               add_special_tokens: bool = True) -> tuple[list[int], list[MultiModalFeature]]:
         """(placeholder-expanded prompt token ids, one feature per item in prompt order)."""
         images = self.parse_items(mm_data).get("image", [])
         placeholder = self.placeholder_str["image"]
+        if images and isinstance(images[0], torch.Tensor):
+            return self._apply_embeddings(prompt, images, add_special_tokens=add_special_tokens)
         if isinstance(prompt, str):
             found = prompt.count(placeholder)
             if found != len(images):
@@ -165,26 +196,54 @@ class BaseMultiModalProcessor:
                 token_ids = self.hf_processor.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
                 pixel_values = None
         else:
-            token_ids = list(prompt)
-            n = self.num_image_tokens()
-            # NOTE: ids already expanded (n image tokens per image, as HF's processor and this
-            # method write them) are taken as they are.
-            if token_ids.count(self.image_token_id) != len(images) * n:
-                placeholder = self.placeholder_token_id
-                found = token_ids.count(placeholder)
-                if found != len(images):
-                    raise ValueError(self._mismatch(found, len(images)) + " (a token-id prompt has one "
-                                     f"placeholder token, id {placeholder}, per image, or is already expanded)")
-                replacement = self.expanded_placeholder_ids()
-                expanded: list[int] = []
-                for t in token_ids:
-                    if t == placeholder:
-                        expanded.extend(replacement)
-                    else:
-                        expanded.append(t)
-                token_ids = expanded
+            token_ids = self._expand_placeholders(list(prompt), len(images))
             pixel_values = self.image_processor(images, return_tensors="pt")["pixel_values"] if images else None
         return token_ids, self._features(token_ids, images, pixel_values)
+
+    def _expand_placeholders(self, token_ids: list[int], num_items: int) -> list[int]:
+        """A token-id prompt's one placeholder token per item, expanded as HF's processor would.
+        NOTE: ids already expanded (``num_image_tokens()`` image tokens per item, as HF's
+        processor and this method write them) are taken as they are."""
+        if token_ids.count(self.image_token_id) == num_items * self.num_image_tokens():
+            return token_ids
+        placeholder = self.placeholder_token_id
+        found = token_ids.count(placeholder)
+        if found != num_items:
+            raise ValueError(self._mismatch(found, num_items) + " (a token-id prompt has one "
+                             f"placeholder token, id {placeholder}, per image, or is already expanded)")
+        replacement = self.expanded_placeholder_ids()
+        expanded: list[int] = []
+        for t in token_ids:
+            if t == placeholder:
+                expanded.extend(replacement)
+            else:
+                expanded.append(t)
+        return expanded
+
+    def _apply_embeddings(self, prompt: str | Sequence[int], embeds: list[torch.Tensor], *,
+                          add_special_tokens: bool) -> tuple[list[int], list[MultiModalFeature]]:
+        """:meth:`apply` for precomputed embeddings: the prompt's placeholders expanded by id (a
+        text prompt tokenized first, without images for HF's processor to expand them), each
+        item's embedding rows taking the place of its encoder output."""
+        if isinstance(prompt, str):
+            found = prompt.count(self.placeholder_str["image"])
+            if found != len(embeds):
+                raise ValueError(self._mismatch(found, len(embeds)))
+            prompt = self.hf_processor.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+        token_ids = self._expand_placeholders(list(prompt), len(embeds))
+        n = self.num_image_tokens()
+        positions = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        if len(positions) != n * len(embeds):
+            raise ValueError(f"the processed prompt has {len(positions)} image placeholder tokens, expected "
+                             f"{n} per image x {len(embeds)} image(s)")
+        features = []
+        for k, embed in enumerate(embeds):
+            run = positions[k * n:(k + 1) * n]
+            if run[-1] - run[0] != n - 1:
+                raise ValueError(f"image {k}'s {n} placeholder tokens are not contiguous in the prompt")
+            features.append(MultiModalFeature(modality="image", identifier=hash_tensor(embed), offset=run[0],
+                                              length=n, data={"image_embeds": embed}))
+        return token_ids, features
 
     def check_text_only(self, token_ids: Sequence[int]) -> None:
         """A prompt without multi_modal_data must not hold image placeholders (they have no embeddings)."""
