@@ -78,3 +78,59 @@ def test_placeholder_in_text_without_images_is_400(llava_client):
 def test_text_model_server_refuses_image_parts(client):
     with pytest.raises(openai.BadRequestError, match="image_url parts need a multimodal model"):
         client.chat.completions.create(model="tiny-llama", messages=_messages(data_url(IMAGE)), max_tokens=2)
+
+
+def _embeds_part(tensor) -> dict:
+    import base64
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return {"type": "image_embeds", "image_embeds": base64.b64encode(buffer.getvalue()).decode()}
+
+
+@pytest.fixture(scope="module")
+def image_embeddings(tiny_llava):
+    """The model's own encoder output for IMAGE, ``[feature_size, hidden]``."""
+    import torch
+
+    from pagedlm.core import LLM
+
+    llm = LLM(model=tiny_llava, dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20)
+    try:
+        processor = llm.llm_engine.processor.mm_processor
+        pixel_values = processor.image_processor([IMAGE], return_tensors="pt")["pixel_values"]
+        model = llm.llm_engine.core.executor.worker.model_runner.model
+        with torch.inference_mode():
+            return model.embed_multimodal("image", pixel_values=pixel_values)[0].clone()
+    finally:
+        llm.shutdown()
+
+
+def test_image_embeds_parts_give_the_images_tokens(start_server, tiny_llava, llava_client, image_embeddings):
+    """vLLM's ``image_embeds`` parts (with --enable-mm-embeds): the image's own embeddings give its
+    tokens; the server without the option answers 400 naming it."""
+    client, _ = llava_client
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    messages = [{"role": "user", "content": [_embeds_part(image_embeddings), {"type": "text", "text": "What?"}]}]
+    with pytest.raises(openai.BadRequestError, match="--enable-mm-embeds"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    expected = client.chat.completions.create(model=MODEL, messages=_messages(data_url(IMAGE), text="What?"),
+                                              max_tokens=6, temperature=0, extra_body=extra).choices[0].token_ids
+    server = start_server(tiny_llava, "--max-model-len", "256", "--served-model-name", MODEL, "--enable-mm-embeds")
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60) as embeds_client:
+        reply = embeds_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                                      extra_body=extra)
+        assert reply.choices[0].token_ids == expected
+        mixed = [{"role": "user", "content": [_embeds_part(image_embeddings),
+                                              {"type": "image_url", "image_url": {"url": data_url(IMAGE)}}]}]
+        for bad, words in ((mixed, "cannot be mixed"),
+                           ([{"role": "user", "content": [{"type": "image_embeds", "image_embeds": "bm9wZQ=="}]}],
+                            "not a base64 torch.save()d tensor"),
+                           ([{"role": "user", "content": [_embeds_part(image_embeddings[:-1])]}],
+                            "embeddings must be a floating-point tensor")):
+            with pytest.raises(openai.BadRequestError) as e:
+                embeds_client.chat.completions.create(model=MODEL, messages=bad, max_tokens=2)
+            assert words in e.value.message, e.value.message

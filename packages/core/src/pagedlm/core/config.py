@@ -73,7 +73,8 @@ class ModelConfig(_Freezable):
     allowed_local_media_path: str = ""
     allowed_media_domains: list[str] | None = None
     #: accept precomputed item embeddings in ``multi_modal_data`` (vLLM's ``enable_mm_embeds``):
-    #: ``{"image": tensor [num_items, feature_size, hidden_size]}`` instead of images
+    #: ``{"image": tensor [num_items, feature_size, hidden_size]}`` instead of images, and chat's
+    #: ``image_embeds`` parts
     enable_mm_embeds: bool = False
     #: vLLM's ``runner``: "generate", "pooling" (embeddings: LLM.embed, /v1/embeddings) or "auto"
     #: (resolved here: "pooling" for ``task="embed"`` / ``convert="embed"`` or a checkpoint of a bare

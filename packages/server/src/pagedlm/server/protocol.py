@@ -165,6 +165,9 @@ class ChatContentPart(OpenAIModel):
     text: Text | None = None
     #: ``{"type": "image_url", "image_url": {"url": ...}}`` (multimodal models)
     image_url: ChatImageURL | None = None
+    #: ``{"type": "image_embeds", "image_embeds": base64 of a torch.save()d [feature_size, hidden]
+    #: tensor}`` (vLLM's; needs --enable-mm-embeds)
+    image_embeds: Text | None = None
 
 
 class ChatMessage(OpenAIModel):

@@ -78,8 +78,8 @@ _HELP = {
     "limit_mm_per_prompt": 'multimodal models: JSON object of the most items per prompt by modality, e.g. '
     '\'{"image": 2}\' (default 999 each)',
     "allowed_local_media_path": "multimodal chat: the directory file:// image URLs may read (default: none)",
-    "enable_mm_embeds": "multimodal models: accept precomputed image embeddings in multi_modal_data (a tensor "
-    "[num_items, feature_size, hidden_size] instead of images; offline LLM only)",
+    "enable_mm_embeds": "multimodal models: accept precomputed image embeddings instead of images: in "
+    "multi_modal_data a tensor [num_items, feature_size, hidden_size]; in chat, image_embeds parts",
     "allowed_media_domains": "multimodal chat: hosts http(s) image URLs may be fetched from (default: none; "
     "fetch limits: VLLM_IMAGE_FETCH_TIMEOUT seconds, PAGEDLM_MAX_IMAGE_FETCH_BYTES)",
     "enable_sleep_mode": "allow sleep()/wake_up() (the server's /sleep, /wake_up, /is_sleeping): free the device "
