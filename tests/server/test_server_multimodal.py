@@ -16,11 +16,17 @@ IMAGE = random_image(3, (64, 48))
 
 
 @pytest.fixture(scope="module")
-def llava_client(start_server, tiny_llava, tmp_path_factory):
+def llava_server(start_server, tiny_llava, tmp_path_factory):
     media = tmp_path_factory.mktemp("media")
     IMAGE.save(media / "cat.png")
     server = start_server(tiny_llava, "--max-model-len", "256", "--served-model-name", MODEL,
                           "--limit-mm-per-prompt", '{"image": 2}', "--allowed-local-media-path", str(media))
+    return server, media
+
+
+@pytest.fixture(scope="module")
+def llava_client(llava_server):
+    server, media = llava_server
     with openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60) as client:
         yield client, media
 
@@ -66,6 +72,26 @@ def test_bad_images_are_400_and_the_server_keeps_serving(llava_client, urls, wor
     assert all(w in e.value.message for w in words), e.value.message
     ok = client.chat.completions.create(model=MODEL, messages=_messages(data_url(IMAGE)), max_tokens=2)
     assert ok.choices[0].finish_reason == "length"
+
+
+def test_tokenize_expands_the_images_as_the_engine_does(llava_server, llava_client):
+    """/tokenize of a conversation with images: the ids a chat completion of it runs (each image's
+    placeholder expanded, to 16 tokens each here); a bad image part is a 400 naming it."""
+    import httpx
+
+    server, _ = llava_server
+    client, _ = llava_client
+    messages = _messages(data_url(IMAGE), data_url(random_image(5, (20, 20))))
+    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": messages}, headers=server.headers,
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    tokens = r.json()["tokens"]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                           extra_body={"return_token_ids": True})
+    assert tokens == reply.prompt_token_ids and tokens.count(511) == 32
+    bad = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": _messages("gopher://x/y")},
+                     headers=server.headers, timeout=60)
+    assert bad.status_code == 400 and "messages[0].content[0]" in bad.text
 
 
 def test_placeholder_in_text_without_images_is_400(llava_client):

@@ -34,6 +34,7 @@ from pagedlm.server.serving_chat import check_messages_length, create_chat_compl
 from pagedlm.server.serving_chat_batch import create_batch_chat_completion
 from pagedlm.server.serving_common import ServerState, check_model, check_text_length, get_state, off_loop
 from pagedlm.server.serving_completion import create_completion
+from pagedlm.server.serving_multimodal import multimodal_chat_tokens
 
 _PROTECTED_EXACT = ("/tokenize", "/detokenize", "/metrics", "/pooling", "/sleep", "/wake_up", "/is_sleeping")
 # Bodies above this are refused (a prompt this long cannot fit a context): at once when the
@@ -171,9 +172,12 @@ def build_app(state: ServerState) -> FastAPI:
         if body.messages is not None:
             gen_prompt = True if body.add_generation_prompt is None else body.add_generation_prompt
             check_messages_length(s, body.messages)
-            _, tokens = await off_loop(render_chat, s, body.messages, add_generation_prompt=gen_prompt,
-                                       continue_final_message=bool(body.continue_final_message),
-                                       add_special_tokens=bool(body.add_special_tokens))
+            tokens = await off_loop(multimodal_chat_tokens, s, body.messages, add_generation_prompt=gen_prompt,
+                                    continue_final_message=bool(body.continue_final_message))
+            if tokens is None:
+                _, tokens = await off_loop(render_chat, s, body.messages, add_generation_prompt=gen_prompt,
+                                           continue_final_message=bool(body.continue_final_message),
+                                           add_special_tokens=bool(body.add_special_tokens))
         else:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             check_text_length(s, len(body.prompt or ""), "prompt")
