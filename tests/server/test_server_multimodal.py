@@ -94,6 +94,27 @@ def test_tokenize_expands_the_images_as_the_engine_does(llava_server, llava_clie
     assert bad.status_code == 400 and "messages[0].content[0]" in bad.text
 
 
+def test_batch_endpoint_takes_images(llava_server, llava_client):
+    """/v1/chat/completions/batch: conversations with and without images, each answered as its
+    own chat completion would be; a bad image part is a 400 naming its conversation."""
+    import httpx
+
+    server, _ = llava_server
+    client, _ = llava_client
+    conversations = [_messages(data_url(IMAGE)), [{"role": "user", "content": "Hello there"}],
+                     _messages(data_url(random_image(6, (33, 44))), data_url(IMAGE))]
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    expected = [client.chat.completions.create(model=MODEL, messages=m, max_tokens=5, temperature=0,
+                                               extra_body=extra).choices[0].token_ids for m in conversations]
+    r = httpx.post(server.url + "/v1/chat/completions/batch", headers=server.headers, timeout=60,
+                   json={"model": MODEL, "messages": conversations, "max_tokens": 5, "temperature": 0, **extra})
+    assert r.status_code == 200, r.text
+    assert [c["token_ids"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])] == expected
+    bad = httpx.post(server.url + "/v1/chat/completions/batch", headers=server.headers, timeout=60,
+                     json={"model": MODEL, "messages": [conversations[1], _messages("gopher://x/y")], "max_tokens": 2})
+    assert bad.status_code == 400 and "messages[1][0].content[0]" in bad.text, bad.text
+
+
 def test_placeholder_in_text_without_images_is_400(llava_client):
     client, _ = llava_client
     with pytest.raises(openai.BadRequestError, match="image placeholder token"):

@@ -28,6 +28,7 @@ from pagedlm.server.serving_common import (
     request_priority,
     until_disconnect,
 )
+from pagedlm.server.serving_multimodal import multimodal_chat_prompt
 from pagedlm.server.structured import check_compiles
 
 
@@ -44,13 +45,19 @@ async def create_batch_chat_completion(state: ServerState, req: BatchChatComplet
     if params.structured_outputs is not None:
         await check_compiles(state, params.structured_outputs, structured_param or "structured_outputs")
     check_sequences(state, len(req.messages), 1)
-    prompts = [await chat_prompt(state, req, conversation, params, param=f"messages[{i}]")
-               for i, conversation in enumerate(req.messages)]
+    prompts: list[tuple[dict[str, Any], list[int]]] = []
+    for i, conversation in enumerate(req.messages):
+        multimodal = await multimodal_chat_prompt(state, req, conversation, params, param=f"messages[{i}]")
+        if multimodal is None:
+            text, ids = await chat_prompt(state, req, conversation, params, param=f"messages[{i}]")
+            prompts.append(({"prompt": text, "prompt_token_ids": ids}, ids))
+        else:
+            prompts.append((multimodal[0], multimodal[2]))
     priority = request_priority(state, req)
     request_id = random_id("chatcmpl")
-    gens = [state.engine.generate({"prompt": text, "prompt_token_ids": ids}, params, f"{request_id}_{i}",
-                                  lora_request=state.lora_request(req.model), priority=priority)
-            for i, (text, ids) in enumerate(prompts)]
+    gens = [state.engine.generate(prompt, params, f"{request_id}_{i}", lora_request=state.lora_request(req.model),
+                                  priority=priority)
+            for i, (prompt, _) in enumerate(prompts)]
 
     async def collect() -> list[RequestOutput | None]:
         finals: list[RequestOutput | None] = [None] * len(gens)
