@@ -90,13 +90,15 @@ def _embeddings_of(part: Mapping[str, Any], where: str, enable_mm_embeds: bool) 
 
     import torch
 
+    from pagedlm.core.platforms import HOST
+
     if not enable_mm_embeds:
         raise ValueError(f"{where}: image_embeds parts need the server started with --enable-mm-embeds")
     data = part.get("image_embeds")
     if not isinstance(data, str):
         raise ValueError(f"{where}.image_embeds must be a base64 string of a torch.save()d tensor")
     try:
-        tensor = torch.load(io.BytesIO(base64.b64decode(data, validate=True)), weights_only=True, map_location="cpu")
+        tensor = torch.load(io.BytesIO(base64.b64decode(data, validate=True)), weights_only=True, map_location=HOST)
     except (binascii.Error, pickle.UnpicklingError, ValueError, RuntimeError, EOFError, OSError, TypeError) as e:
         raise ValueError(f"{where}.image_embeds: not a base64 torch.save()d tensor ({type(e).__name__}: "
                          f"{str(e)[:120]})") from None

@@ -16,6 +16,7 @@ import torch
 
 from pagedlm.core.multimodal.hasher import hash_image, hash_tensor
 from pagedlm.core.multimodal.inputs import MultiModalFeature
+from pagedlm.core.platforms import HOST
 
 #: vLLM's default ``limit_mm_per_prompt`` for a modality the option does not name
 DEFAULT_LIMIT_PER_PROMPT = 999
@@ -174,7 +175,7 @@ class BaseMultiModalProcessor:
                              f"the language model's hidden size {hidden}); got {value.dtype} {tuple(value.shape)}")
         if not torch.isfinite(value).all():
             raise ValueError(f"multi_modal_data[{modality!r}] embeddings hold NaN or infinite values")
-        return [item.detach().to("cpu").contiguous() for item in value]
+        return [item.detach().to(HOST).contiguous() for item in value]
 
     def apply(self, prompt: str | Sequence[int], mm_data: Any, *,
               add_special_tokens: bool = True) -> tuple[list[int], list[MultiModalFeature]]:
