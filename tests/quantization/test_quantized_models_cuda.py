@@ -28,15 +28,9 @@ def _gpu():
 
 
 def _tokens(model_dir: str, device: str, **kw) -> list[list[int]]:
-    from pagedlm.core import LLM, SamplingParams
+    from pagedlm.core.testing import engine_greedy
 
-    llm = LLM(model=model_dir, dtype="float32", device=device, **kw)
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts()],
-                            SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
-    finally:
-        llm.shutdown()
+    return engine_greedy(model_dir, prompts(), MAX_NEW, dtype="float32", device=device, **kw)
 
 
 @pytest.mark.parametrize("name", WEIGHT_ONLY)

@@ -233,18 +233,9 @@ class BaseMultiModalProcessor:
             prompt = self.hf_processor.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
         token_ids = self._expand_placeholders(list(prompt), len(embeds))
         n = self.num_image_tokens()
-        positions = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
-        if len(positions) != n * len(embeds):
-            raise ValueError(f"the processed prompt has {len(positions)} image placeholder tokens, expected "
-                             f"{n} per image x {len(embeds)} image(s)")
-        features = []
-        for k, embed in enumerate(embeds):
-            run = positions[k * n:(k + 1) * n]
-            if run[-1] - run[0] != n - 1:
-                raise ValueError(f"image {k}'s {n} placeholder tokens are not contiguous in the prompt")
-            features.append(MultiModalFeature(modality="image", identifier=hash_tensor(embed), offset=run[0],
-                                              length=n, data={"image_embeds": embed}))
-        return token_ids, features
+        return token_ids, [MultiModalFeature(modality="image", identifier=hash_tensor(embed), offset=offset, length=n,
+                                             data={"image_embeds": embed})
+                           for offset, embed in zip(self._item_offsets(token_ids, len(embeds)), embeds, strict=True)]
 
     def check_text_only(self, token_ids: Sequence[int]) -> None:
         """A prompt without multi_modal_data must not hold image placeholders (they have no embeddings)."""
@@ -258,20 +249,27 @@ class BaseMultiModalProcessor:
         return (f"the prompt has {found} image placeholder(s) ({self.placeholder_str['image']!r}) but "
                 f"multi_modal_data has {num_images} image(s); they must match, one placeholder per image")
 
-    def _features(self, token_ids: list[int], images: list[Any], pixel_values: Any) -> list[MultiModalFeature]:
-        """Item ``i`` takes the next ``num_image_tokens()`` placeholder positions, which must be
-        contiguous (HF's expansion writes them so)."""
+    def _item_offsets(self, token_ids: list[int], num_items: int) -> list[int]:
+        """Where each item's run starts: item ``i`` takes the next ``num_image_tokens()``
+        placeholder positions, which must be contiguous (HF's expansion writes them so)."""
         n = self.num_image_tokens()
         positions = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
-        if len(positions) != n * len(images):
+        if len(positions) != n * num_items:
             raise ValueError(f"the processed prompt has {len(positions)} image placeholder tokens, expected "
-                             f"{n} per image x {len(images)} image(s)")
-        features = []
-        for k, image in enumerate(images):
+                             f"{n} per image x {num_items} image(s)")
+        offsets = []
+        for k in range(num_items):
             run = positions[k * n:(k + 1) * n]
             if run[-1] - run[0] != n - 1:
                 raise ValueError(f"image {k}'s {n} placeholder tokens are not contiguous in the prompt")
+            offsets.append(run[0])
+        return offsets
+
+    def _features(self, token_ids: list[int], images: list[Any], pixel_values: Any) -> list[MultiModalFeature]:
+        n = self.num_image_tokens()
+        features = []
+        for k, (offset, image) in enumerate(zip(self._item_offsets(token_ids, len(images)), images, strict=True)):
             features.append(MultiModalFeature(
-                modality="image", identifier=hash_image(image), offset=run[0], length=n,
+                modality="image", identifier=hash_image(image), offset=offset, length=n,
                 data={"pixel_values": pixel_values[k:k + 1].contiguous()}))
         return features

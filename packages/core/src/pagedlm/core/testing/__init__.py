@@ -29,6 +29,7 @@ from pagedlm.core.testing.hf_reference import (
     HFGreedyResult,
     assert_greedy_matches_hf,
     compare_greedy,
+    engine_greedy,
     hf_greedy,
 )
 from pagedlm.core.testing.tokenizer import (
@@ -72,6 +73,7 @@ __all__ = [
     "assert_greedy_matches_hf",
     "build_bpe_tokenizer",
     "compare_greedy",
+    "engine_greedy",
     "hf_gguf_greedy",
     "hf_greedy",
     "load_hf_gguf_model",

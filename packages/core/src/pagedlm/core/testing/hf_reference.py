@@ -53,6 +53,23 @@ def _load_hf_model(model_dir: str | os.PathLike[str]) -> Any:
     return model.to("cpu").eval()
 
 
+def engine_greedy(model_dir: str | os.PathLike[str], prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int,
+                  **llm_kwargs: Any) -> list[list[int]]:
+    """pagedlm's greedy tokens for each prompt (``ignore_eos``, as :func:`hf_greedy`), from an
+    ``LLM(model=model_dir, **llm_kwargs)`` built and shut down here: one engine's tokens to
+    compare with another's (a device, a quantized cache)."""
+    from pagedlm.core import LLM, SamplingParams
+
+    llm = LLM(model=str(model_dir), **llm_kwargs)
+    try:
+        outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompt_token_ids],
+                            SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True),
+                            use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        llm.shutdown()
+
+
 def hf_greedy(
     model_dir: str | os.PathLike[str],
     prompt_token_ids: Sequence[Sequence[int]],
