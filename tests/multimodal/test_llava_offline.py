@@ -190,3 +190,54 @@ def test_preemption_recomputes_images(tiny_llava, reference):
               max_model_len=64, max_num_batched_tokens=16)
     assert _tokens(llm.generate(_requests(PROMPTS), GREEDY, use_tqdm=False)) == reference
     assert llm.llm_engine.core.scheduler.num_preemptions_total > 0
+
+
+def test_processor_cache_serves_repeated_images(tiny_llava, reference):
+    """vLLM's processor cache (``mm_processor_cache_gb``): an image seen before is not
+    preprocessed again for token-id and chat prompts, and gives the same tokens; 0 turns it off;
+    a negative size is refused by name."""
+    llm = LLM(model=tiny_llava, dtype="float32", device="cpu", kv_cache_memory_bytes=16 << 20,
+              limit_mm_per_prompt={"image": 2})
+    try:
+        processor = llm.llm_engine.processor.mm_processor
+        calls = []
+        original = type(processor).image_processor.fget
+
+        def counting(self):
+            inner = original(self)
+
+            def call(images, **kw):
+                calls.append(len(images))
+                return inner(images, **kw)
+            return call
+
+        type(processor).image_processor = property(counting)
+        try:
+            ids = llm.get_tokenizer()(PROMPTS[2][0]).input_ids
+            for _ in range(2):
+                out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": PROMPTS[2][1]}}], GREEDY,
+                                   use_tqdm=False)
+                assert _tokens(out) == [reference[2]]
+            # one image new, one seen: only the new one is preprocessed
+            llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": [IMAGES[1], IMAGES[0]]}}],
+                         GREEDY, use_tqdm=False)
+        finally:
+            type(processor).image_processor = property(original)
+        assert calls == [2, 1]
+        assert (processor.cache_queries, processor.cache_hits) == (6, 3)
+    finally:
+        llm.shutdown()
+    off = LLM(model=tiny_llava, dtype="float32", device="cpu", kv_cache_memory_bytes=16 << 20,
+              mm_processor_cache_gb=0)
+    try:
+        text, images = PROMPTS[0]
+        ids = off.get_tokenizer()(text).input_ids
+        for _ in range(2):
+            out = off.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": images}}], GREEDY,
+                               use_tqdm=False)
+            assert _tokens(out) == [reference[0]]
+        assert off.llm_engine.processor.mm_processor.cache_hits == 0
+    finally:
+        off.shutdown()
+    with pytest.raises(ValueError, match=r"mm_processor_cache_gb=-1 must be a number >= 0"):
+        LLM(model=tiny_llava, dtype="float32", device="cpu", mm_processor_cache_gb=-1)

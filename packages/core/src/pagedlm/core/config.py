@@ -76,6 +76,9 @@ class ModelConfig(_Freezable):
     #: ``{"image": tensor [num_items, feature_size, hidden_size]}`` instead of images, and chat's
     #: ``image_embeds`` parts
     enable_mm_embeds: bool = False
+    #: GiB of preprocessed images kept by content hash for prompts that repeat them (vLLM's
+    #: ``mm_processor_cache_gb``; 0 turns it off)
+    mm_processor_cache_gb: float = 4.0
     #: vLLM's ``runner``: "generate", "pooling" (embeddings: LLM.embed, /v1/embeddings) or "auto"
     #: (resolved here: "pooling" for ``task="embed"`` / ``convert="embed"`` or a checkpoint of a bare
     #: ``XModel`` body, else "generate")

@@ -78,6 +78,8 @@ _HELP = {
     "limit_mm_per_prompt": 'multimodal models: JSON object of the most items per prompt by modality, e.g. '
     '\'{"image": 2}\' (default 999 each)',
     "allowed_local_media_path": "multimodal chat: the directory file:// image URLs may read (default: none)",
+    "mm_processor_cache_gb": "multimodal models: GiB of preprocessed images kept by content hash, so prompts "
+    "that repeat an image (multi-turn chats) skip its preprocessing; 0 turns the cache off",
     "enable_mm_embeds": "multimodal models: accept precomputed image embeddings instead of images: in "
     "multi_modal_data a tensor [num_items, feature_size, hidden_size]; in chat, image_embeds parts",
     "allowed_media_domains": "multimodal chat: hosts http(s) image URLs may be fetched from (default: none; "
@@ -165,6 +167,7 @@ class EngineArgs:
     limit_mm_per_prompt: dict[str, int] | None = None
     allowed_local_media_path: str = ""
     enable_mm_embeds: bool = False
+    mm_processor_cache_gb: float = 4.0
     allowed_media_domains: list[str] | None = None
     enable_sleep_mode: bool = False
     runner: str = "auto"
@@ -226,6 +229,7 @@ class EngineArgs:
                 limit_mm_per_prompt=self.limit_mm_per_prompt,
                 allowed_local_media_path=self.allowed_local_media_path,
                 enable_mm_embeds=self.enable_mm_embeds,
+                mm_processor_cache_gb=self.mm_processor_cache_gb,
                 allowed_media_domains=self.allowed_media_domains,
                 enable_sleep_mode=self.enable_sleep_mode,
                 runner=self.runner,

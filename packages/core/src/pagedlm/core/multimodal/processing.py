@@ -9,6 +9,8 @@ token per image, which is expanded here to the count HF's processor would write.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -45,6 +47,18 @@ class BaseMultiModalProcessor:
             if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
                 raise ValueError(f"limit_mm_per_prompt[{modality!r}]={limit!r} must be an integer >= 0")
         self.limits = {m: int(limits.get(m, DEFAULT_LIMIT_PER_PROMPT)) for m in self.supported_modalities}
+        # vLLM's processor cache: image hash -> its preprocessed pixels (token-id and chat prompts;
+        # a text prompt's images go through HF's processor call whole)
+        budget = getattr(model_config, "mm_processor_cache_gb", 4.0)
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0:
+            raise ValueError(f"mm_processor_cache_gb={budget!r} must be a number >= 0 (GiB; 0 turns the cache off)")
+        self._cache_budget = int(budget * (1 << 30))
+        self._pixel_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._cache_bytes = 0
+        self._cache_lock = threading.Lock()
+        #: processed images asked for, and how many of them the cache had
+        self.cache_queries = 0
+        self.cache_hits = 0
 
     # -- what a subclass says about its model ------------------------------------------------
     @property
@@ -198,8 +212,43 @@ class BaseMultiModalProcessor:
                 pixel_values = None
         else:
             token_ids = self._expand_placeholders(list(prompt), len(images))
-            pixel_values = self.image_processor(images, return_tensors="pt")["pixel_values"] if images else None
+            pixel_values = self._pixel_values(images) if images else None
         return token_ids, self._features(token_ids, images, pixel_values)
+
+    def _pixel_values(self, images: list[Any]) -> torch.Tensor:
+        """``[len(images), 3, H, W]``: HF's image processor's output, each image's from the
+        processor cache when an equal image (by content hash) was processed before. HF processes
+        the images of a call one by one, so a cached row is what the call would give."""
+        keys = [hash_image(image) for image in images]
+        rows: dict[str, torch.Tensor] = {}
+        with self._cache_lock:
+            for key in keys:
+                if key in self._pixel_cache:
+                    self._pixel_cache.move_to_end(key)
+                    rows[key] = self._pixel_cache[key]
+        missing = list(dict.fromkeys(k for k in keys if k not in rows))
+        if missing:
+            by_key = dict(zip(keys, images, strict=True))
+            fresh = dict(zip(missing, self.image_processor([by_key[k] for k in missing],
+                                                           return_tensors="pt")["pixel_values"], strict=True))
+            rows.update(fresh)
+            self._remember(fresh)
+        self.cache_queries += len(keys)
+        self.cache_hits += len(keys) - len(missing)
+        return torch.stack([rows[k] for k in keys])
+
+    def _remember(self, rows: dict[str, torch.Tensor]) -> None:
+        """Keep processed rows, least recently used out first, within ``mm_processor_cache_gb``."""
+        with self._cache_lock:
+            for key, row in rows.items():
+                size = row.numel() * row.element_size()
+                if size > self._cache_budget:
+                    continue
+                self._pixel_cache[key] = row
+                self._cache_bytes += size
+            while self._cache_bytes > self._cache_budget:
+                _, old = self._pixel_cache.popitem(last=False)
+                self._cache_bytes -= old.numel() * old.element_size()
 
     def _expand_placeholders(self, token_ids: list[int], num_items: int) -> list[int]:
         """A token-id prompt's one placeholder token per item, expanded as HF's processor would.
