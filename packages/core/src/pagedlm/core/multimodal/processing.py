@@ -198,6 +198,7 @@ class BaseMultiModalProcessor:
         placeholder = self.placeholder_str["image"]
         if images and isinstance(images[0], torch.Tensor):
             return self._apply_embeddings(prompt, images, add_special_tokens=add_special_tokens)
+        keys = [hash_image(image) for image in images]  # what the caches key the items on
         if isinstance(prompt, str):
             found = prompt.count(placeholder)
             if found != len(images):
@@ -212,20 +213,21 @@ class BaseMultiModalProcessor:
                 pixel_values = None
         else:
             token_ids = self._expand_placeholders(list(prompt), len(images))
-            pixel_values = self._pixel_values(images) if images else None
-        return token_ids, self._features(token_ids, images, pixel_values)
+            pixel_values = self._pixel_values(images, keys) if images else None
+        return token_ids, self._features(token_ids, keys, pixel_values)
 
-    def _pixel_values(self, images: list[Any]) -> torch.Tensor:
+    def _pixel_values(self, images: list[Any], keys: list[str]) -> torch.Tensor:
         """``[len(images), 3, H, W]``: HF's image processor's output, each image's from the
-        processor cache when an equal image (by content hash) was processed before. HF processes
-        the images of a call one by one, so a cached row is what the call would give."""
-        keys = [hash_image(image) for image in images]
+        processor cache when an equal image (content hash ``keys``) was processed before. HF
+        processes the images of a call one by one, so a cached row is what the call would give."""
         rows: dict[str, torch.Tensor] = {}
         with self._cache_lock:
             for key in keys:
                 if key in self._pixel_cache:
                     self._pixel_cache.move_to_end(key)
                     rows[key] = self._pixel_cache[key]
+            self.cache_queries += len(keys)
+            self.cache_hits += sum(key in rows for key in keys)
         missing = list(dict.fromkeys(k for k in keys if k not in rows))
         if missing:
             by_key = dict(zip(keys, images, strict=True))
@@ -233,8 +235,6 @@ class BaseMultiModalProcessor:
                                                            return_tensors="pt")["pixel_values"], strict=True))
             rows.update(fresh)
             self._remember(fresh)
-        self.cache_queries += len(keys)
-        self.cache_hits += len(keys) - len(missing)
         return torch.stack([rows[k] for k in keys])
 
     def _remember(self, rows: dict[str, torch.Tensor]) -> None:
@@ -242,7 +242,7 @@ class BaseMultiModalProcessor:
         with self._cache_lock:
             for key, row in rows.items():
                 size = row.numel() * row.element_size()
-                if size > self._cache_budget:
+                if size > self._cache_budget or key in self._pixel_cache:  # (another thread's)
                     continue
                 self._pixel_cache[key] = row
                 self._cache_bytes += size
@@ -314,11 +314,8 @@ class BaseMultiModalProcessor:
             offsets.append(run[0])
         return offsets
 
-    def _features(self, token_ids: list[int], images: list[Any], pixel_values: Any) -> list[MultiModalFeature]:
+    def _features(self, token_ids: list[int], keys: list[str], pixel_values: Any) -> list[MultiModalFeature]:
         n = self.num_image_tokens()
-        features = []
-        for k, (offset, image) in enumerate(zip(self._item_offsets(token_ids, len(images)), images, strict=True)):
-            features.append(MultiModalFeature(
-                modality="image", identifier=hash_image(image), offset=offset, length=n,
-                data={"pixel_values": pixel_values[k:k + 1].contiguous()}))
-        return features
+        return [MultiModalFeature(modality="image", identifier=key, offset=offset, length=n,
+                                  data={"pixel_values": pixel_values[k:k + 1].contiguous()})
+                for k, (offset, key) in enumerate(zip(self._item_offsets(token_ids, len(keys)), keys, strict=True))]

@@ -119,28 +119,25 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     return out
 
 
-_FLOAT32_PRODUCTS: dict[torch.device, bool] = {}
+_UNIT_SCALES: dict[torch.device, torch.Tensor | None] = {}
 
 
-def _float32_products(device: torch.device) -> bool:
-    """Whether ``torch._scaled_mm`` gives float32 outputs under tensor-wise scales on ``device``
-    (asked once, eagerly; inside a graph capture before that: no). NOTE: a probe rather than an
-    assumption because this path had not run on an H200 yet when it was written (2026-12-04);
-    test_quant_kernels.py's float32 case fails if the probe says no."""
-    known = _FLOAT32_PRODUCTS.get(device)
-    if known is None:
+def _float32_unit_scale(device: torch.device) -> torch.Tensor | None:
+    """A float32 ``1.0`` on ``device`` when ``torch._scaled_mm`` gives float32 outputs under
+    tensor-wise scales there, else None (asked once, eagerly; inside a graph capture before that:
+    None). NOTE: a probe rather than an assumption because this path had not run on an H200 yet
+    when it was written (2026-12-04); test_quant_kernels.py's float32 case fails if it says no."""
+    if device not in _UNIT_SCALES:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return False
+            return None
         a = torch.zeros(16, 32, dtype=torch.float8_e4m3fn, device=device)
-        b = torch.zeros(16, 32, dtype=torch.float8_e4m3fn, device=device)
         one = torch.ones((), dtype=torch.float32, device=device)
         try:
-            torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
-            known = True
+            torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
         except RuntimeError:
-            known = False
-        _FLOAT32_PRODUCTS[device] = known
-    return known
+            one = None
+        _UNIT_SCALES[device] = one
+    return _UNIT_SCALES[device]
 
 
 def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -151,11 +148,11 @@ def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     x_q, scale_a = quantize_rows(x.reshape(-1, shape[-1]), torch.float8_e4m3fn, input_scale)
     scale_b = weight_scale.float().reshape(1, -1)
     # weight [N, K] row-major is the column-major [K, N] operand cuBLASLt's FP8 kernels take.
-    if x.dtype == torch.float32 and _float32_products(x.device):
+    one = _float32_unit_scale(x.device) if x.dtype == torch.float32 else None
+    if one is not None:
         # NOTE: row-wise scales need a bf16 output on Hopper, whose rounding (2^-9) a float32
         # model (the HF-parity configuration) would see: its products come out in float32 under
         # unit scales instead, scaled here in the reference's order
-        one = torch.ones((), dtype=torch.float32, device=x.device)
         out = torch._scaled_mm(x_q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
         out = out * scale_a * scale_b
     else:
