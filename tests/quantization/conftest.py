@@ -49,4 +49,10 @@ def quant_checkpoints(quant_base, tmp_path_factory):
     built["gptq-8bit-asym"] = make_gptq_checkpoint(quant_base, root / "gptq-8bit-asym", bits=8, group_size=128,
                                                    sym=False)
     built["awq"] = make_awq_checkpoint(quant_base, root / "awq", group_size=128)
+    # the LM head quantized too: no ignore list (compressed-tensors' "Linear" target covers it),
+    # GPTQ's and AWQ's "lm_head": true
+    ct("w4a16-lm-head", "W4A16", ignore=())
+    built["gptq-lm-head"] = make_gptq_checkpoint(quant_base, root / "gptq-lm-head", bits=4, group_size=128,
+                                                 lm_head=True)
+    built["awq-lm-head"] = make_awq_checkpoint(quant_base, root / "awq-lm-head", group_size=128, lm_head=True)
     return built

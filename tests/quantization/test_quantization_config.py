@@ -16,8 +16,8 @@ from pagedlm.core.plugins import get_plugins, hookimpl
 from pagedlm.core.testing import make_dummy_config_dir
 
 
-def _with_quant_config(tmp_path: Path, quantization_config: dict) -> str:
-    d = make_dummy_config_dir(tmp_path / "cfg", "llama", hidden_size=256, intermediate_size=512)
+def _with_quant_config(tmp_path: Path, quantization_config: dict, **hyper) -> str:
+    d = make_dummy_config_dir(tmp_path / "cfg", "llama", **{"hidden_size": 256, "intermediate_size": 512, **hyper})
     path = Path(d) / "config.json"
     data = json.loads(path.read_text())
     data["quantization_config"] = quantization_config
@@ -56,9 +56,6 @@ def test_detection_from_config_json_and_user_option(tmp_path):
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
         "targets": ["Linear"], "weights": {"num_bits": 3, "type": "int", "strategy": "group", "group_size": 128}}},
       "ignore": ["lm_head"]}, "int3 weights.*supported: int4, int8"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
-        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}},
-     "quantizes lm_head"),
 ])
 def test_bad_quantization_config_names_what_is_supported(tmp_path, config, match):
     d = _with_quant_config(tmp_path, config)
@@ -207,3 +204,32 @@ def test_dummy_load_of_a_method_named_on_the_command_line(tmp_path, method):
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
+
+
+_W4_GROUP = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}
+
+
+@pytest.mark.parametrize("config, quantized", [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, False),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True}, True),
+    ({"quant_method": "awq", "w_bit": 4, "q_group_size": 128, "lm_head": True}, True),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": _W4_GROUP},
+      "ignore": ["lm_head"]}, False),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": _W4_GROUP}}, True),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": _W4_GROUP},
+      "ignore": ["re:.*lm_head"]}, False),
+])
+def test_lm_head_quantized_is_read_from_the_checkpoint(tmp_path, config, quantized):
+    """vLLM's ``lm_head_quantized``: GPTQ's and AWQ's ``lm_head`` key; compressed-tensors quantizes
+    the head when a group's targets cover it and the ignore list does not hold it."""
+    d = _with_quant_config(tmp_path, config)
+    assert VllmConfig(model_config=ModelConfig(model=d)).quant_config.lm_head_quantized is quantized
+
+
+def test_quantized_lm_head_needs_whole_packed_words_of_vocabulary(tmp_path):
+    """GPTQ packs zero points along the output: a head over a vocabulary that is not a multiple
+    of 8 (4-bit values per word) is refused by name."""
+    d = _with_quant_config(tmp_path, {"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True},
+                           vocab_size=500)
+    with pytest.raises(ValueError, match="lm_head: 500 output features per rank are not a multiple of 8"):
+        LLM(model=d, load_format="dummy", device="cpu", dtype="float32", skip_tokenizer_init=True)

@@ -24,7 +24,8 @@ from pagedlm.core import LLM, SamplingParams
 from pagedlm.core.testing import assert_greedy_matches_hf
 
 MAX_NEW = 16
-WEIGHT_ONLY = ["w4a16", "w4a16-channel", "w8a16", "w4a16-asym", "gptq", "gptq-act-order", "gptq-8bit-asym", "awq"]
+WEIGHT_ONLY = ["w4a16", "w4a16-channel", "w8a16", "w4a16-asym", "gptq", "gptq-act-order", "gptq-8bit-asym", "awq",
+               "w4a16-lm-head", "gptq-lm-head", "awq-lm-head"]
 W8A8 = ["fp8-dynamic", "fp8-static", "w8a8-int8"]
 
 
@@ -95,10 +96,10 @@ def _tp_tokens(model_dir: str, tp: int, **extra) -> list:
         llm.shutdown()
 
 
-@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym", "gptq-act-order", "awq"])
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym", "gptq-act-order", "awq", "w4a16-lm-head", "gptq-lm-head"])
 def test_tensor_parallel_weight_only_gives_single_rank_tokens(name, quant_checkpoints):
     """TP=2 (gloo, two worker processes) gives exactly TP=1's tokens: packed weights, scales, zero
-    points and g_idx are sharded by the layers' loaders."""
+    points and g_idx are sharded by the layers' loaders (a quantized LM head's over the vocabulary)."""
     model_dir = quant_checkpoints[name][0]
     one, two = _tp_tokens(model_dir, 1), _tp_tokens(model_dir, 2)
     assert [o.token_ids for o in one] == [o.token_ids for o in two]
@@ -144,6 +145,9 @@ def test_weights_take_the_quantized_size(quant_checkpoints, quant_base):
     fp8 = weight_bytes(quant_base, quantization="fp8")
     # embeddings and lm_head stay float32 in these tiny models; the linear layers shrink 8x / 4x
     assert w4 < 0.6 * full and fp8 < 0.7 * full, (full, w4, fp8)
+    # a quantized head: its [512, 256] float32 table (512 KiB) becomes 64 KiB of int4 + 4 KiB of scales
+    head = weight_bytes(quant_checkpoints["w4a16-lm-head"][0])
+    assert w4 - head == 512 * 256 * 4 - (512 * 256 // 2 + 512 * 2 * 4), (w4, head)
 
 
 # -- quantization="int8": online per-channel int8 weight-only (the reference: HF on the base

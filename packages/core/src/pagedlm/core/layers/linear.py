@@ -48,6 +48,7 @@ __all__ = [
     "ReplicatedLinear",
     "RowParallelLinear",
     "divide",
+    "load_param_shard",
     "maybe_prefix",
     "set_attention_heads",
 ]
@@ -91,6 +92,39 @@ def _check_shape(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
             f"{name}: checkpoint tensor has shape {tuple(loaded.shape)}, this rank's parameter expects "
             f"{tuple(param.shape)}"
         )
+
+
+def load_param_shard(param: nn.Parameter, loaded_weight: torch.Tensor, *, name: str, offset: int, size: int,
+                     start: int, index: int = 0, input_rank: int | None = None) -> None:
+    """Copy output features ``[start, start + size)`` of checkpoint tensor ``loaded_weight`` into
+    output features ``[offset, offset + size)`` of ``param`` (stacked tensor ``index`` for a
+    ``shard_scalar``), as ``param``'s attributes describe (:class:`LinearBase`); ``input_rank``
+    takes that rank's slice of the input dimension (row-parallel layers)."""
+    dst, src = param.data, loaded_weight
+    out_dim = getattr(param, "output_dim", None)
+    if out_dim is not None:
+        f = _factor(param, out_dim)
+        if offset % f or size % f or start % f:
+            raise ValueError(f"{name}: {size} output features at {start} do not split into whole packed "
+                             f"elements of {f}; use a smaller tensor-parallel size")
+        dst = dst.narrow(out_dim, offset // f, size // f)
+        if start or size // f != loaded_weight.shape[out_dim]:
+            # Plain slicing along rows, so a lazy safetensors slice reads only these rows.
+            src = (src[start // f : (start + size) // f] if out_dim == 0
+                   else src.narrow(out_dim, start // f, size // f))
+    elif getattr(param, "shard_scalar", False):
+        dst = dst.narrow(0, index, 1)
+        src = src.reshape(1)
+    in_dim = getattr(param, "input_dim", None)
+    if input_rank is not None and in_dim is not None:
+        n = dst.shape[in_dim]
+        src = src.narrow(in_dim, input_rank * n, n)
+    load_shard = getattr(param, "load_shard", None)
+    if load_shard is not None:
+        load_shard(dst, src, loaded_weight, offset, size)
+        return
+    _check_shape(dst, src, name)
+    dst.copy_(src)
 
 
 class LinearBase(nn.Module):
@@ -181,31 +215,8 @@ class LinearBase(nn.Module):
             return
         offset, size, start, index = self._output_shard(shard_id)
         name = self.prefix if shard_id is None else f"{self.prefix}[{shard_id}]"
-        dst, src = param.data, loaded_weight
-        out_dim = getattr(param, "output_dim", None)
-        if out_dim is not None:
-            f = _factor(param, out_dim)
-            if offset % f or size % f or start % f:
-                raise ValueError(f"{name}: {size} output features at {start} do not split into whole packed "
-                                 f"elements of {f}; use a smaller tensor-parallel size")
-            dst = dst.narrow(out_dim, offset // f, size // f)
-            if start or size // f != loaded_weight.shape[out_dim]:
-                # Plain slicing along rows, so a lazy safetensors slice reads only these rows.
-                src = (src[start // f : (start + size) // f] if out_dim == 0
-                       else src.narrow(out_dim, start // f, size // f))
-        elif getattr(param, "shard_scalar", False):
-            dst = dst.narrow(0, index, 1)
-            src = src.reshape(1)
-        in_dim = getattr(param, "input_dim", None)
-        if self.shards_input and in_dim is not None:
-            n = dst.shape[in_dim]
-            src = src.narrow(in_dim, self.tp_rank * n, n)
-        load_shard = getattr(param, "load_shard", None)
-        if load_shard is not None:
-            load_shard(dst, src, loaded_weight, offset, size)
-            return
-        _check_shape(dst, src, name)
-        dst.copy_(src)
+        load_param_shard(param, loaded_weight, name=name, offset=offset, size=size, start=start, index=index,
+                         input_rank=self.tp_rank if self.shards_input else None)
 
     def extra_repr(self) -> str:
         method = "" if not self.quant_method.quantized else f", quant={type(self.quant_method).__name__}"

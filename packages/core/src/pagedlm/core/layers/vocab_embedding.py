@@ -19,6 +19,8 @@ from pagedlm.core.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from pagedlm.core.layers.linear import load_param_shard
+from pagedlm.core.layers.quantization.base_config import LinearMethodBase
 from pagedlm.core.model_loader.weight_utils import set_weight_attrs
 
 __all__ = ["LogitsProcessor", "ParallelLMHead", "VocabParallelEmbedding", "compute_logits"]
@@ -54,8 +56,10 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition, num_embeddings)
         dtype = params_dtype or torch.get_default_dtype()
         self.params_dtype = dtype
-        self.quant_method = (quant_config.get_quant_method(self, prefix)
-                             if quant_config is not None and quant_config.quantizes_embeddings else None)
+        self.quant_method = self._get_quant_method(quant_config, prefix)
+        if isinstance(self.quant_method, LinearMethodBase):
+            self._create_linear_weights()
+            return
         if self.quant_method is not None:
             self.quant_method.create_weights(self, self.num_embeddings_per_partition, embedding_dim, dtype)
             return
@@ -63,6 +67,37 @@ class VocabParallelEmbedding(nn.Module):
             torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=dtype), requires_grad=False
         )
         set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
+
+    def _get_quant_method(self, quant_config: Any, prefix: str) -> Any:
+        if quant_config is None or not quant_config.quantizes_embeddings:
+            return None
+        return quant_config.get_quant_method(self, prefix)
+
+    def _create_linear_weights(self) -> None:
+        """A head quantized like the linear layers: the method's parameters of a column-parallel
+        ``[hidden -> V_pad]`` layer, this rank's ``V_r`` vocab rows as its output features."""
+        self.input_size = self.input_size_per_partition = self.embedding_dim
+        self.output_size = self.num_embeddings_padded
+        self.output_size_per_partition = self.num_embeddings_per_partition
+        self.output_partition_sizes = [self.num_embeddings_per_partition]
+        self.quant_method.create_weights(self, self.embedding_dim, self.output_partition_sizes, self.embedding_dim,
+                                         self.num_embeddings_padded, self.params_dtype,
+                                         weight_loader=self._linear_weight_loader)
+        for param in self.parameters():
+            param.data.zero_()  # NOTE: padding rows keep zero scales, so padded logits are 0
+
+    def _linear_weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+        """A quantized head's checkpoint tensor (all ``V`` rows along its output dimension): this
+        rank's vocab rows."""
+        out_dim = getattr(param, "output_dim", None)
+        if out_dim is not None:
+            packed = getattr(param, "packed_dim", None) == out_dim
+            rows = loaded_weight.shape[out_dim] * (param.packed_factor if packed else 1)
+            if rows != self.num_embeddings:
+                raise ValueError(f"{self.prefix}: checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
+                                 f"{rows} vocabulary rows where the model has {self.num_embeddings}")
+        load_param_shard(param, loaded_weight, name=self.prefix, offset=0, size=self.vocab_end - self.vocab_start,
+                         start=self.vocab_start)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         """``loaded_weight [V, hidden]``, the full checkpoint table; copies rows of this rank."""
@@ -97,12 +132,22 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection ``hidden -> vocab``, sharded like :class:`VocabParallelEmbedding`.
 
-    It is not called directly; :class:`LogitsProcessor` multiplies by its ``weight``.
+    It is not called directly; :class:`LogitsProcessor` multiplies by its ``weight``, or runs the
+    linear method of a checkpoint that quantizes the head (``quant_config.lm_head_quantized``).
     """
+
+    def _get_quant_method(self, quant_config: Any, prefix: str) -> Any:
+        if quant_config is not None and quant_config.lm_head_quantized:
+            return quant_config.get_quant_method(self, prefix)
+        return super()._get_quant_method(quant_config, prefix)
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> ParallelLMHead:
         """Share the embedding table (``tie_word_embeddings``): one Parameter, loaded once, and its
         quantize method (a quantized table computes the logits too)."""
+        if isinstance(self.quant_method, LinearMethodBase):
+            # NOTE: a checkpoint that quantizes the head stores it apart from the embedding (as
+            # vLLM reads such files): nothing to share
+            return self
         mine = (self.num_embeddings_per_partition, self.embedding_dim)
         theirs = (embedding.num_embeddings_per_partition, embedding.embedding_dim)
         if mine != theirs:

@@ -180,19 +180,25 @@ def _write_quantized(src: Path, out: Path, reference: Path, tensors: dict[str, A
         _copy_side_files(src, d)
 
 
-def _linear_weights(src: Path) -> dict[str, Any]:
+def _linear_weights(src: Path, lm_head: bool = False) -> dict[str, Any]:
+    """The checkpoint's linear layers (and with ``lm_head`` its untied LM head) by module name."""
     from pagedlm.core.model_loader.weight_utils import find_weight_files, safetensors_weights_iterator
 
-    return {n[: -len(".weight")]: t for n, t in safetensors_weights_iterator(find_weight_files(str(src), "auto"))
-            if n.endswith(".weight") and n.rsplit(".", 2)[-2] in _LINEARS}
+    tensors = dict(safetensors_weights_iterator(find_weight_files(str(src), "auto")))
+    if lm_head and "lm_head.weight" not in tensors:
+        raise ValueError(f"{src} has no lm_head.weight (tied embeddings): its head cannot be quantized apart")
+    return {n[: -len(".weight")]: t for n, t in tensors.items()
+            if n.endswith(".weight") and (n.rsplit(".", 2)[-2] in _LINEARS or (lm_head and n == "lm_head.weight"))}
 
 
 def make_gptq_checkpoint(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, bits: int = 4,
                          group_size: int = 128, desc_act: bool = False, sym: bool = True, seed: int = 0,
+                         lm_head: bool = False,
                          reference_dir: str | os.PathLike[str] | None = None) -> tuple[str, str]:
     """GPTQ (AutoGPTQ ``gptq`` format: ``qzeros`` hold zero - 1) of ``src``; with ``desc_act`` the
-    input rows are visited in a random order, so ``g_idx`` scatters groups. Returns ``(out_dir,
-    reference_dir)`` (default ``out_dir + "-dequantized"``)."""
+    input rows are visited in a random order, so ``g_idx`` scatters groups; ``lm_head`` quantizes
+    the (untied) LM head too (``"lm_head": true``, as GPTQModel and AutoRound write it). Returns
+    ``(out_dir, reference_dir)`` (default ``out_dir + "-dequantized"``)."""
     import torch
 
     from pagedlm.core.layers.quantization.utils import pack_cols, pack_rows
@@ -202,7 +208,7 @@ def make_gptq_checkpoint(src: str | os.PathLike[str], out_dir: str | os.PathLike
     tensors: dict[str, Any] = {}
     dequantized: dict[str, Any] = {}
     perms: dict[str, Any] = {}
-    for name, w in _linear_weights(src).items():
+    for name, w in _linear_weights(src, lm_head).items():
         k = w.shape[1]
         g = group_size if group_size != -1 else k
         if desc_act:
@@ -227,13 +233,16 @@ def make_gptq_checkpoint(src: str | os.PathLike[str], out_dir: str | os.PathLike
     _write_quantized(src, out, reference, tensors, dequantized, {
         "quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
         "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True, "static_groups": False,
+        "lm_head": lm_head,
     })
     return str(out), str(reference)
 
 
 def make_awq_checkpoint(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, group_size: int = 128,
+                        lm_head: bool = False,
                         reference_dir: str | os.PathLike[str] | None = None) -> tuple[str, str]:
-    """AWQ (AutoAWQ's GEMM layout, 4-bit with zero points) of ``src``. Returns ``(out_dir, reference_dir)``."""
+    """AWQ (AutoAWQ's GEMM layout, 4-bit with zero points) of ``src``; ``lm_head`` quantizes the
+    (untied) LM head too (``"lm_head": true``). Returns ``(out_dir, reference_dir)``."""
     import torch
 
     from pagedlm.core.layers.quantization.utils import AWQ_PACK_ORDER, pack_cols
@@ -242,7 +251,7 @@ def make_awq_checkpoint(src: str | os.PathLike[str], out_dir: str | os.PathLike[
     reference = Path(reference_dir) if reference_dir else out.with_name(out.name + "-dequantized")
     tensors: dict[str, Any] = {}
     dequantized: dict[str, Any] = {}
-    for name, w in _linear_weights(src).items():
+    for name, w in _linear_weights(src, lm_head).items():
         k = w.shape[1]
         g = group_size if group_size != -1 else k
         g_idx = (torch.arange(k) // g).to(torch.int32)
@@ -254,7 +263,7 @@ def make_awq_checkpoint(src: str | os.PathLike[str], out_dir: str | os.PathLike[
         dequantized[f"{name}.weight"] = ((q - zeros[gi]).float() * scales.to(torch.float16).float()[gi]).t()
     _write_quantized(src, out, reference, tensors, dequantized, {
         "quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
-        "modules_to_not_convert": None,
+        "modules_to_not_convert": None, "lm_head": lm_head,
     })
     return str(out), str(reference)
 

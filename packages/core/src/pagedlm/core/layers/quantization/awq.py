@@ -50,10 +50,11 @@ class AWQLinearMethod(WNA16LinearMethod):
 
 
 class AWQConfig(QuantizationConfig):
-    """The ``awq`` method: 4-bit weights with zero points, GEMM layout, ``modules_to_not_convert``."""
+    """The ``awq`` method: 4-bit weights with zero points, GEMM layout, ``modules_to_not_convert``;
+    ``lm_head: true`` quantizes the LM head too."""
 
     def __init__(self, weight_bits: int, group_size: int, zero_point: bool, version: str = "gemm",
-                 modules_to_not_convert: list[str] | None = None) -> None:
+                 modules_to_not_convert: list[str] | None = None, lm_head_quantized: bool = False) -> None:
         if weight_bits != 4:
             raise ValueError(f"AWQ w_bit={weight_bits} is not supported; supported: [4]")
         if group_size not in SUPPORTED_GROUP_SIZES:
@@ -67,6 +68,7 @@ class AWQConfig(QuantizationConfig):
         self.weight_bits = weight_bits
         self.group_size = group_size
         self.modules_to_not_convert = list(modules_to_not_convert or [])
+        self.lm_head_quantized = lm_head_quantized
 
     @classmethod
     def get_name(cls) -> str:
@@ -88,6 +90,7 @@ class AWQConfig(QuantizationConfig):
             zero_point=bool(cls.get_from_keys_or(config, ["zero_point"], True)),
             version=str(cls.get_from_keys_or(config, ["version"], "gemm")),
             modules_to_not_convert=cls.get_from_keys_or(config, ["modules_to_not_convert"], None),
+            lm_head_quantized=bool(cls.get_from_keys_or(config, ["lm_head"], False)),
         )
 
     @classmethod

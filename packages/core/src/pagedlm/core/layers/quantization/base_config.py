@@ -135,6 +135,11 @@ class QuantizationConfig(ABC):
     #: never asked for those layers (their get_quant_method assumes linear layers)
     quantizes_embeddings: bool = False
 
+    #: True when the checkpoint quantizes the LM head like its linear layers (GPTQ's and AWQ's
+    #: ``lm_head: true``, a compressed-tensors group that targets ``lm_head``): the head then gets
+    #: this method's linear method, sharded over the vocabulary (vLLM's ``lm_head_quantized``)
+    lm_head_quantized: bool = False
+
     #: fused parameter -> the checkpoint modules stacked in it (an ignore list names the latter)
     packed_modules_mapping: dict[str, list[str]] = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],

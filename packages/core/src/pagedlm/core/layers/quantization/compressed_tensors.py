@@ -124,9 +124,9 @@ class CompressedTensorsConfig(QuantizationConfig):
         self.kv_cache_scheme = kv_cache_scheme
         for name, group in config_groups.items():
             self._check_group(name, group)
-        if not any(matches_module_name("lm_head", p) for p in self.ignore) and self._group_of("lm_head"):
-            raise ValueError("this compressed-tensors checkpoint quantizes lm_head, which pagedlm does not support "
-                             "yet; supported: checkpoints whose ignore list holds lm_head (llm-compressor's default)")
+        # NOTE: a group targeting "Linear" covers the head too unless the ignore list holds it
+        # (llm-compressor's presets do); then the head is quantized like the other layers
+        self.lm_head_quantized = self._group_of("lm_head") is not None
 
     @classmethod
     def get_name(cls) -> str:
@@ -280,4 +280,5 @@ class CompressedTensorsConfig(QuantizationConfig):
     def describe(self) -> str:
         schemes = sorted({f"{self._format(g)}:{g['weights'].get('type')}{g['weights'].get('num_bits')}"
                           for g in self.config_groups.values()})
-        return f"compressed-tensors ({', '.join(schemes)})"
+        head = ", lm_head quantized" if self.lm_head_quantized else ""
+        return f"compressed-tensors ({', '.join(schemes)}{head})"

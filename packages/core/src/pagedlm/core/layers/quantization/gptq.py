@@ -64,10 +64,11 @@ class GPTQLinearMethod(WNA16LinearMethod):
 
 
 class GPTQConfig(QuantizationConfig):
-    """The ``gptq`` method: ``bits`` 4 or 8, ``group_size`` -1/32/64/128, ``desc_act``, ``sym``."""
+    """The ``gptq`` method: ``bits`` 4 or 8, ``group_size`` -1/32/64/128, ``desc_act``, ``sym``;
+    ``lm_head: true`` quantizes the LM head too."""
 
     def __init__(self, weight_bits: int, group_size: int, desc_act: bool, sym: bool,
-                 checkpoint_format: str = "gptq") -> None:
+                 checkpoint_format: str = "gptq", lm_head_quantized: bool = False) -> None:
         if weight_bits not in SUPPORTED_BITS:
             raise ValueError(f"GPTQ bits={weight_bits} is not supported; supported: {list(SUPPORTED_BITS)}")
         if group_size not in SUPPORTED_GROUP_SIZES:
@@ -80,6 +81,7 @@ class GPTQConfig(QuantizationConfig):
         self.desc_act = desc_act
         self.sym = sym
         self.checkpoint_format = checkpoint_format
+        self.lm_head_quantized = lm_head_quantized
 
     @classmethod
     def get_name(cls) -> str:
@@ -95,8 +97,6 @@ class GPTQConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> GPTQConfig:
-        if config.get("lm_head"):
-            raise ValueError("GPTQ checkpoints with a quantized lm_head (lm_head: true) are not supported yet")
         if config.get("dynamic"):
             raise ValueError("GPTQ per-module overrides (dynamic) are not supported; supported: one bits/group_size "
                              "for every layer")
@@ -106,6 +106,7 @@ class GPTQConfig(QuantizationConfig):
             desc_act=bool(cls.get_from_keys_or(config, ["desc_act"], False)),
             sym=bool(cls.get_from_keys_or(config, ["sym"], True)),
             checkpoint_format=str(cls.get_from_keys_or(config, ["checkpoint_format"], "gptq") or "gptq"),
+            lm_head_quantized=bool(cls.get_from_keys_or(config, ["lm_head"], False)),
         )
 
     @classmethod
@@ -116,4 +117,5 @@ class GPTQConfig(QuantizationConfig):
         return GPTQLinearMethod(self)
 
     def describe(self) -> str:
-        return f"gptq (int{self.weight_bits}, group {self.group_size}, desc_act={self.desc_act})"
+        head = ", lm_head quantized" if self.lm_head_quantized else ""
+        return f"gptq (int{self.weight_bits}, group {self.group_size}, desc_act={self.desc_act}{head})"
