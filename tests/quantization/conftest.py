@@ -25,6 +25,7 @@ def quant_checkpoints(quant_base, tmp_path_factory):
         dequantized_compressed_tensors_reference,
         make_awq_checkpoint,
         make_compressed_tensors_checkpoint,
+        make_fp8_block_checkpoint,
         make_gptq_checkpoint,
     )
 
@@ -55,4 +56,10 @@ def quant_checkpoints(quant_base, tmp_path_factory):
     built["gptq-lm-head"] = make_gptq_checkpoint(quant_base, root / "gptq-lm-head", bits=4, group_size=128,
                                                  lm_head=True)
     built["awq-lm-head"] = make_awq_checkpoint(quant_base, root / "awq-lm-head", group_size=128, lm_head=True)
+    # block-wise FP8: compressed-tensors' FP8_BLOCK preset, and the fp8 method's weight_block_size
+    # layout (DeepSeek-V3, Qwen3-FP8), which HF reads itself; [64, 64] blocks stay whole at TP=2
+    ct("fp8-block", "FP8_BLOCK")
+    for name, block in (("fp8-block-native", (128, 128)), ("fp8-block-native-64", (64, 64))):
+        d = make_fp8_block_checkpoint(quant_base, root / name, block_size=block)
+        built[name] = (d, d)
     return built

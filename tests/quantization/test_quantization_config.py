@@ -49,7 +49,15 @@ def test_detection_from_config_json_and_user_option(tmp_path):
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, r"GPTQ bits=3 is not supported; supported: \[4, 8\]"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 96}, "GPTQ group_size=96 is not supported"),
     ({"quant_method": "awq", "w_bit": 4, "q_group_size": 128, "version": "gemv"}, "AWQ version='gemv'"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
+    ({"quant_method": "fp8", "weight_block_size": [128]},
+     r"weight_block_size=\[128\] is not supported; supported: two"),
+    ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
+     "block-wise weights with activation_scheme='static' are not supported"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                                           "block_structure": [128, 128]},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}},
+      "ignore": ["lm_head"]}, "block-wise FP8 weights need dynamic float8 activations per group of 128"),
     ({"quant_method": "compressed-tensors", "format": "marlin-24", "config_groups": {"g": {
         "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}},
       "ignore": ["lm_head"]}, "format 'marlin-24'.*supported: pack-quantized"),
@@ -232,4 +240,14 @@ def test_quantized_lm_head_needs_whole_packed_words_of_vocabulary(tmp_path):
     d = _with_quant_config(tmp_path, {"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True},
                            vocab_size=500)
     with pytest.raises(ValueError, match="lm_head: 500 output features per rank are not a multiple of 8"):
+        LLM(model=d, load_format="dummy", device="cpu", dtype="float32", skip_tokenizer_init=True)
+
+
+def test_block_fp8_needs_whole_blocks_per_rank(tmp_path):
+    """A fused part (here k and v: 2 heads x 64 = 128 features) that is not a whole number of
+    blocks is refused by name, as vLLM refuses it."""
+    d = _with_quant_config(tmp_path, {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                      "weight_block_size": [256, 128]})
+    with pytest.raises(ValueError, match=r"qkv_proj: output parts \[256, 128, 128\] and input 256 per rank must be "
+                                         r"whole blocks of \[256, 128\]"):
         LLM(model=d, load_format="dummy", device="cpu", dtype="float32", skip_tokenizer_init=True)

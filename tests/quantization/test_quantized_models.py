@@ -21,12 +21,14 @@ import pytest
 import torch
 
 from pagedlm.core import LLM, SamplingParams
-from pagedlm.core.testing import assert_greedy_matches_hf
+from pagedlm.core.testing import assert_greedy_matches_hf, hf_greedy
 
 MAX_NEW = 16
 WEIGHT_ONLY = ["w4a16", "w4a16-channel", "w8a16", "w4a16-asym", "gptq", "gptq-act-order", "gptq-8bit-asym", "awq",
                "w4a16-lm-head", "gptq-lm-head", "awq-lm-head"]
 W8A8 = ["fp8-dynamic", "fp8-static", "w8a8-int8"]
+#: block-wise FP8 in the fp8 method's own layout (weight_block_size), block sizes
+FP8_BLOCK_NATIVE = {"fp8-block-native": 128, "fp8-block-native-64": 64}
 
 
 def prompts(seed: int = 0) -> list[list[int]]:
@@ -51,7 +53,7 @@ def test_weight_only_matches_hf(name, quant_checkpoints, capsys):
     assert forgiven <= 1
 
 
-@pytest.mark.parametrize("name", W8A8)
+@pytest.mark.parametrize("name", [*W8A8, "fp8-block"])
 def test_w8a8_close_to_hf(name, quant_checkpoints):
     model_dir, reference = quant_checkpoints[name]
     forgiven = assert_greedy_matches_hf(model_dir, prompts(), MAX_NEW, tie_tol=0.25, logprobs=0, logprob_atol=0.25)
@@ -105,7 +107,7 @@ def test_tensor_parallel_weight_only_gives_single_rank_tokens(name, quant_checkp
     assert [o.token_ids for o in one] == [o.token_ids for o in two]
 
 
-@pytest.mark.parametrize("name", ["fp8-dynamic", "fp8-static", "w8a8-int8", "online-fp8"])
+@pytest.mark.parametrize("name", ["fp8-dynamic", "fp8-static", "w8a8-int8", "online-fp8", "fp8-block-native-64"])
 def test_tensor_parallel_w8a8_gives_single_rank_tokens(name, quant_checkpoints, quant_base, capsys):
     """TP=2 gives TP=1's tokens, except at near-ties: a row-parallel rank quantizes its half of each
     activation row with that half's own dynamic scale (as vLLM does), which moves logprobs by
@@ -133,6 +135,64 @@ def test_tensor_parallel_w8a8_gives_single_rank_tokens(name, quant_checkpoints, 
     with capsys.disabled():
         print(f"\n[{name}] TP=2 vs TP=1 near-ties forgiven: {forgiven}")
     assert not problems, problems
+
+
+def _fp8_group_fake_quant(block_k: int):
+    """``prepare`` for hf_greedy: every linear layer's input rounded through float8_e4m3fn per token
+    and group of ``block_k`` (scale amax / 448), as block-wise FP8 kernels quantize activations."""
+    def quantize(module, args):
+        x = args[0]
+        groups = x.unflatten(-1, (-1, block_k))
+        scale = groups.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448
+        return ((groups / scale).to(torch.float8_e4m3fn).to(x.dtype) * scale).flatten(-2),
+
+    def prepare(model):
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                module.register_forward_pre_hook(quantize)
+    return prepare
+
+
+@pytest.mark.parametrize("name", FP8_BLOCK_NATIVE)
+def test_fp8_block_close_to_hf(name, quant_checkpoints):
+    """The fp8 method's block-wise layout (DeepSeek-V3, Qwen3-FP8), which HF reads itself. On a CPU
+    HF dequantizes the weights and leaves activations alone, where the format's kernels (HF's on a
+    GPU, vLLM's, ours) quantize them per token and group of block_k: the reference gets that
+    through pre-hooks on its linear layers. Metric as W8A8 (module docstring)."""
+    model_dir, reference = quant_checkpoints[name]
+    ref = hf_greedy(reference, prompts(), MAX_NEW, prepare=_fp8_group_fake_quant(FP8_BLOCK_NATIVE[name]))
+    forgiven = assert_greedy_matches_hf(model_dir, prompts(), MAX_NEW, reference=ref, tie_tol=0.25, logprobs=0,
+                                        logprob_atol=0.25)
+    assert forgiven <= 1
+
+
+def test_block_fp8_layers_run_the_block_op(quant_checkpoints):
+    """Every linear layer of a block-wise FP8 checkpoint keeps its FP8 weight and block scales, and
+    its output is the op's definition computed here block by block in float64: each group of 64
+    activations of a row quantized with its own amax / 448, each [64, 64] weight block by its scale."""
+    from pagedlm.core.layers.quantization.schemes import Fp8BlockLinearMethod
+    from pagedlm.core.layers.quantization.utils import FP8_DTYPE
+
+    llm = LLM(model=quant_checkpoints["fp8-block-native-64"][0], dtype="float32", device="cpu")
+    model = llm.llm_engine.core.executor.worker.model_runner.model
+    layers = {n: m for n, m in model.named_modules() if isinstance(getattr(m, "quant_method", None),
+                                                                      Fp8BlockLinearMethod)}
+    assert len(layers) == 4 * model.config.num_hidden_layers  # qkv, o, gate_up, down
+    qkv = layers["model.layers.0.self_attn.qkv_proj"]
+    assert qkv.weight.dtype == FP8_DTYPE and tuple(qkv.weight_scale.shape) == (512 // 64, 256 // 64)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0)) * 4
+    x[:, :64] *= 50  # one group far louder than the rest: a per-token scale would crush the others
+    y = qkv.quant_method.apply(qkv, x)
+    expected = torch.zeros(5, 512, dtype=torch.float64)
+    w = qkv.weight.double()
+    for g in range(4):
+        cols = slice(64 * g, 64 * (g + 1))
+        scale = x[:, cols].abs().amax(1, keepdim=True) / 448
+        xq = (x[:, cols] / scale).to(FP8_DTYPE).double() * scale.double()
+        for b in range(8):
+            rows = slice(64 * b, 64 * (b + 1))
+            expected[:, rows] += xq @ w[rows, cols].t() * qkv.weight_scale[b, g].double()
+    torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
 def test_weights_take_the_quantized_size(quant_checkpoints, quant_base):

@@ -3,10 +3,10 @@ CUDA kernels (the W4A16/W8A16 GEMV and GEMM, ``torch._scaled_mm``, the INT8 GEMM
 cache) inside whole engine runs, with CUDA graphs, prefix caching and chunked prefill as defaults.
 
 Metrics, as on the CPU (test_quantized_models.py): weight-only formats give HF's greedy tokens on
-the same files (near-ties forgiven and counted, at most one); W8A8 layers give the reference op's
-outputs on their inputs inside an engine run (why not tokens: that test's docstring); the FP8 KV
-cache gives the CPU engine's tokens (the same values stored the same way; an attention output on a
-rounding boundary may flip: at most one prompt may differ).
+the same files (near-ties forgiven and counted, at most one); W8A8 layers (block-wise FP8 too)
+give the reference op's outputs on their inputs inside an engine run (why not tokens: that test's
+docstring); the FP8 KV cache gives the CPU engine's tokens (the same values stored the same way;
+an attention output on a rounding boundary may flip: at most one prompt may differ).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_weight_only_matches_hf_on_cuda(name, quant_checkpoints):
     assert forgiven <= 1
 
 
-@pytest.mark.parametrize("name", W8A8)
+@pytest.mark.parametrize("name", [*W8A8, "fp8-block", "fp8-block-native"])
 def test_w8a8_layers_of_an_engine_run_match_the_reference_op(name, quant_checkpoints):
     """Every W8A8 layer of an (eager) CUDA engine run, on the input it got there, gives what the
     reference op (core's ``*_scaled_mm_ref``, on the CPU) gives on that input: loaded weights,
@@ -59,8 +59,12 @@ def test_w8a8_layers_of_an_engine_run_match_the_reference_op(name, quant_checkpo
     noise (~1e-7 against the CPU's kernels) moves a few activations across a rounding boundary,
     which it amplifies to logprob differences of ~0.2-0.6 teacher-forced (H200, 2026-12-04)."""
     from pagedlm.core import LLM, SamplingParams
-    from pagedlm.core.layers.quantization.schemes import W8A8LinearMethod
-    from pagedlm.core.layers.quantization.utils import fp8_scaled_mm_ref, int8_scaled_mm_ref
+    from pagedlm.core.layers.quantization.schemes import Fp8BlockLinearMethod, W8A8LinearMethod
+    from pagedlm.core.layers.quantization.utils import (
+        fp8_block_scaled_mm_ref,
+        fp8_scaled_mm_ref,
+        int8_scaled_mm_ref,
+    )
 
     model_dir, _ = quant_checkpoints[name]
     llm = LLM(model=model_dir, dtype="float32", device="cuda", enforce_eager=True)
@@ -69,7 +73,7 @@ def test_w8a8_layers_of_an_engine_run_match_the_reference_op(name, quant_checkpo
     try:
         model = llm.llm_engine.core.executor.worker.model_runner.model
         for layer_name, layer in model.named_modules():
-            if isinstance(getattr(layer, "quant_method", None), W8A8LinearMethod):
+            if isinstance(getattr(layer, "quant_method", None), (W8A8LinearMethod, Fp8BlockLinearMethod)):
                 def grab(mod, inp, out, layer_name=layer_name):
                     if layer_name not in seen and inp[0].shape[0] > 1:
                         y = out[0] if isinstance(out, tuple) else out
@@ -82,9 +86,13 @@ def test_w8a8_layers_of_an_engine_run_match_the_reference_op(name, quant_checkpo
         llm.shutdown()
     assert len(seen) >= 4  # qkv, o, gate_up, down of every layer
     for layer_name, (mod, x, y) in seen.items():
-        ref_op = fp8_scaled_mm_ref if mod.quant_method.kind == "fp8" else int8_scaled_mm_ref
-        scale = mod.input_scale.cpu() if mod.input_scale is not None else None
-        ref = ref_op(x, mod.weight.cpu(), mod.weight_scale.cpu(), scale, None)
+        method = mod.quant_method
+        if isinstance(method, Fp8BlockLinearMethod):
+            ref = fp8_block_scaled_mm_ref(x, mod.weight.cpu(), mod.weight_scale.cpu(), method.block_n, method.block_k)
+        else:
+            ref_op = fp8_scaled_mm_ref if method.kind == "fp8" else int8_scaled_mm_ref
+            scale = mod.input_scale.cpu() if mod.input_scale is not None else None
+            ref = ref_op(x, mod.weight.cpu(), mod.weight_scale.cpu(), scale, None)
         if getattr(mod, "bias", None) is not None:
             ref = ref + mod.bias.cpu()
         torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item(), msg=layer_name)

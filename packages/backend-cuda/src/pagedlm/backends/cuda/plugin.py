@@ -56,6 +56,8 @@ def pagedlm_register_ops(register: Callable[..., None]) -> None:
     # Quantized GEMMs (kernels/quant_gemm.py): Triton W4A16/W8A16, torch._scaled_mm FP8, torch._int_mm INT8.
     for op in ("wna16_gemm", "fp8_scaled_mm", "int8_scaled_mm"):
         register(op, "cuda", f"pagedlm.backends.cuda.kernels.quant_gemm:{op}")
+    # Block-wise FP8 (kernels/fp8_block.py): group-quantized activations, a block-scaled FP8 GEMM.
+    register("fp8_block_scaled_mm", "cuda", "pagedlm.backends.cuda.kernels.fp8_block:fp8_block_scaled_mm")
     register("fused_experts", "cuda", "pagedlm.backends.cuda.kernels.fused_moe:fused_experts")
     register("fused_experts_fp8", "cuda", "pagedlm.backends.cuda.kernels.fused_moe_quant:fused_experts_fp8")
     register("fused_experts_wna16", "cuda", "pagedlm.backends.cuda.kernels.fused_moe_quant:fused_experts_wna16")

@@ -14,9 +14,10 @@ built outside :func:`use_ops` (most unit tests) runs core's torch code.
 
 Op names: :data:`OP_CONTRACTS` holds the contracts core's layers call; a change that adds a core
 op (a quantized GEMM, LoRA shrink/expand; ``fused_experts`` came with API 1.1, its quantized
-variants with 1.3, ``unquantized_gemm`` with 1.6, the Gemma norms with 1.8) adds its contract there and bumps the minor
-``API_VERSION``. A plugin's own layers may call ops of their own under a dotted name
-(``"myplugin.fused_gate"``), whose contract that plugin documents; any other name is an error.
+variants with 1.3, ``unquantized_gemm`` with 1.6, the Gemma norms with 1.8,
+``fp8_block_scaled_mm`` with 1.9) adds its contract there and bumps the minor ``API_VERSION``.
+A plugin's own layers may call ops of their own under a dotted name (``"myplugin.fused_gate"``),
+whose contract that plugin documents; any other name is an error.
 """
 
 from __future__ import annotations
@@ -102,6 +103,13 @@ OP_CONTRACTS: Mapping[str, str] = MappingProxyType({
         "input_scale [1] float32 | None, bias [N] | None) -> [T, N] in x's dtype: x quantized to float8_e4m3fn "
         "with input_scale, or per token with scale amax(|x_t|) / 448 when None (values divided by the scale, "
         "clamped to +-448), then (x_q @ weight^T) * x_scale * weight_scale in float32, plus bias."
+    ),
+    "fp8_block_scaled_mm": (
+        "fn(x [T, K] float16/bfloat16/float32, weight [N, K] float8_e4m3fn, weight_scale [ceil(N / block_n), "
+        "ceil(K / block_k)] float32, block_n: int, block_k: int, bias [N] | None) -> [T, N] in x's dtype: each "
+        "run of block_k values of a row of x quantized to float8_e4m3fn with its own scale amax / 448 (divided, "
+        "clamped to +-448), then sum over k of x_q * x_scale(t, k // block_k) * weight[n, k] * "
+        "weight_scale[n // block_n, k // block_k] with float32 products and sums, plus bias (API 1.9)."
     ),
     "int8_scaled_mm": (
         "fn(x [T, K], weight [N, K] int8, weight_scale [N] float32, input_scale [1] float32 | None, bias [N] | "

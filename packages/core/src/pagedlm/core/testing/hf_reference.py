@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,18 +76,23 @@ def hf_greedy(
     max_new_tokens: int,
     *,
     use_cache: bool = True,
+    prepare: Callable[[Any], Any] | None = None,
 ) -> list[HFGreedyResult]:
     """Greedy-decode each prompt with HF transformers (float32, CPU), one prompt at a time.
 
     One prompt at a time with no padding, so nothing but the model itself decides the logits. EOS
     does not stop generation (compare with ``ignore_eos=True``). ``use_cache=False`` recomputes
     the whole sequence every step, for a reference that does not rely on HF's KV cache.
+    ``prepare(model)`` runs on the loaded model first (e.g. hooks that quantize activations the
+    way a checkpoint format's GPU kernels do, where HF's CPU path leaves them alone).
     """
     import torch
 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     model = _load_hf_model(model_dir)
+    if prepare is not None:
+        prepare(model)
     vocab = model.config.vocab_size
     # transformers 5.x renamed past_key_values to cache (the old name warns); 4.x knows only the old one.
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

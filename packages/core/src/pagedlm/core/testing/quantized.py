@@ -33,6 +33,10 @@ def weight_qparams(w: Any, args: Any) -> tuple[Any, Any]:
     if args.strategy == "group":
         g = w.reshape(w.shape[0], -1, args.group_size)
         lo, hi = g.amin(-1), g.amax(-1)
+    elif args.strategy == "block":
+        bn, bk = args.block_structure
+        b = w.reshape(w.shape[0] // bn, bn, w.shape[1] // bk, bk)
+        lo, hi = b.amin((1, 3)), b.amax((1, 3))
     elif args.strategy == "channel":
         lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
     else:
@@ -157,8 +161,10 @@ def _rtn_groups(w: Any, bits: int, group_size: int, sym: bool, g_idx: Any) -> tu
     return q, scales, zeros
 
 
-def _write_quantized(src: Path, out: Path, reference: Path, tensors: dict[str, Any], dequantized: dict[str, Any],
-                     quantization_config: dict[str, Any]) -> None:
+def _write_quantized(src: Path, out: Path, reference: Path | None, tensors: dict[str, Any],
+                     dequantized: dict[str, Any], quantization_config: dict[str, Any]) -> None:
+    """``out``: ``src`` with the modules of ``dequantized`` replaced by ``tensors``; ``reference``
+    (unless None): ``src`` with those modules' dequantized weights."""
     import torch
     from safetensors.torch import save_file
 
@@ -166,18 +172,19 @@ def _write_quantized(src: Path, out: Path, reference: Path, tensors: dict[str, A
 
     base = dict(safetensors_weights_iterator(find_weight_files(str(src), "auto")))
     out.mkdir(parents=True, exist_ok=True)
-    reference.mkdir(parents=True, exist_ok=True)
     quantized_names = {name.rsplit(".", 1)[0] for name in dequantized}
     plain = {n: t for n, t in base.items() if n.rsplit(".", 1)[0] not in quantized_names or not n.endswith(".weight")}
     save_file({**plain, **{n: t.contiguous() for n, t in tensors.items()}}, str(out / "model.safetensors"))
-    save_file({**plain, **{n: t.to(torch.float32).contiguous() for n, t in dequantized.items()}},
-              str(reference / "model.safetensors"))
     config = json.loads((src / "config.json").read_text())
-    (reference / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    if reference is not None:
+        reference.mkdir(parents=True, exist_ok=True)
+        save_file({**plain, **{n: t.to(torch.float32).contiguous() for n, t in dequantized.items()}},
+                  str(reference / "model.safetensors"))
+        (reference / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        _copy_side_files(src, reference)
     config["quantization_config"] = quantization_config
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    for d in (out, reference):
-        _copy_side_files(src, d)
+    _copy_side_files(src, out)
 
 
 def _linear_weights(src: Path, lm_head: bool = False) -> dict[str, Any]:
@@ -266,6 +273,34 @@ def make_awq_checkpoint(src: str | os.PathLike[str], out_dir: str | os.PathLike[
         "modules_to_not_convert": None, "lm_head": lm_head,
     })
     return str(out), str(reference)
+
+
+def make_fp8_block_checkpoint(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
+                              block_size: tuple[int, int] = (128, 128)) -> str:
+    """Block-wise FP8 (``quant_method: fp8`` with ``weight_block_size``: DeepSeek-V3's and
+    Qwen3-FP8's layout) of ``src``: each linear ``weight`` as float8_e4m3fn over one scale per
+    ``block_size`` block (``amax / 448``, stored as ``weight_scale_inv``, the factor to multiply
+    by). HF transformers reads the format itself (on a CPU it dequantizes the weights). Returns
+    ``out_dir``."""
+
+    from pagedlm.core.layers.quantization.utils import FP8_DTYPE, FP8_MAX
+
+    src, out = Path(src), Path(out_dir)
+    bn, bk = block_size
+    tensors: dict[str, Any] = {}
+    dequantized: dict[str, Any] = {}
+    for name, w in _linear_weights(src).items():
+        n, k = w.shape
+        blocks = w.float().reshape(n // bn, bn, k // bk, bk)
+        scale = (blocks.abs().amax((1, 3)) / FP8_MAX).clamp(min=1e-12)
+        q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).reshape(n, k)
+        tensors[f"{name}.weight"] = q
+        tensors[f"{name}.weight_scale_inv"] = scale
+        dequantized[f"{name}.weight"] = None  # HF reads the FP8 files: no dequantized copy
+    _write_quantized(src, out, None, tensors, dequantized, {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [bn, bk],
+    })
+    return str(out)
 
 
 def dequantized_compressed_tensors_reference(ct_dir: str | os.PathLike[str],

@@ -10,6 +10,9 @@ Supported, per group:
   ``weight_g_idx [K]`` (``actorder: group``): W4A16 / W8A16, group-wise or per channel.
 - ``float-quantized``: float8_e4m3 ``weight [N, K]`` with a per-channel or per-tensor scale and
   FP8 activations, dynamic per token or a static per-tensor ``input_scale`` (W8A8 FP8), or none.
+- ``float-quantized`` with the ``block`` strategy (the ``FP8_BLOCK`` preset): ``weight [N, K]``
+  with ``weight_scale [N / bn, K / bk]`` for ``block_structure [bn, bk]`` and dynamic FP8
+  activations per token and group of ``bk`` (:class:`~.schemes.Fp8BlockLinearMethod`).
 - ``int-quantized`` / ``naive-quantized``: int8 ``weight [N, K]``, per-channel or per-tensor scale,
   int8 activations dynamic per token or static per tensor (W8A8 INT8), or none (W8A16).
 
@@ -32,6 +35,7 @@ from pagedlm.core.layers.quantization.base_config import (
     shard_names,
 )
 from pagedlm.core.layers.quantization.schemes import (
+    Fp8BlockLinearMethod,
     W8A8LinearMethod,
     WNA16LinearMethod,
     new_param,
@@ -42,7 +46,7 @@ from pagedlm.core.layers.quantization.utils import unpack_cols, unpack_rows
 __all__ = ["CompressedTensorsConfig", "CompressedTensorsWNA16"]
 
 FORMATS = ("pack-quantized", "float-quantized", "int-quantized", "naive-quantized")
-WEIGHT_STRATEGIES = ("channel", "group", "tensor")
+WEIGHT_STRATEGIES = ("block", "channel", "group", "tensor")
 
 
 class CompressedTensorsWNA16(WNA16LinearMethod):
@@ -183,6 +187,9 @@ class CompressedTensorsConfig(QuantizationConfig):
                 raise ValueError(f"config_groups.{name}: activation quantization with packed int weights is not "
                                  "supported; supported: W4A16, W8A16")
             return
+        if strategy == "block":
+            self._check_block_group(name, fmt, weights, group.get("input_activations"))
+            return
         if bits != 8 or kind not in ("float", "int") or (fmt == "float-quantized") != (kind == "float"):
             raise ValueError(f"compressed-tensors {fmt} {kind}{bits} weights (config_groups.{name}) are not supported; "
                              "supported: float8 (float-quantized), int8 (int-quantized, naive-quantized)")
@@ -202,6 +209,22 @@ class CompressedTensorsConfig(QuantizationConfig):
             if not ((dynamic and act_strategy == "token") or (not dynamic and act_strategy == "tensor")):
                 raise ValueError(f"config_groups.{name}: {'dynamic' if dynamic else 'static'} {act_strategy} "
                                  "activation scales are not supported; supported: dynamic per token, static per tensor")
+
+    @staticmethod
+    def _check_block_group(name: str, fmt: str, weights: dict[str, Any], acts: dict[str, Any] | None) -> None:
+        if fmt != "float-quantized" or weights.get("type") != "float" or weights.get("num_bits") != 8:
+            raise ValueError(f"config_groups.{name}: block-wise {fmt} {weights.get('type')}{weights.get('num_bits')} "
+                             "weights are not supported; supported: float8 (float-quantized)")
+        block = weights.get("block_structure")
+        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0
+                                                                              for b in block)):
+            raise ValueError(f"config_groups.{name}: block_structure={block!r} is not supported; supported: two "
+                             "positive ints [block_n, block_k]")
+        ok = (acts is not None and acts.get("type") == "float" and acts.get("num_bits") == 8 and acts.get("dynamic")
+              and acts.get("strategy") == "group" and acts.get("group_size") == block[1])
+        if not ok:
+            raise ValueError(f"config_groups.{name}: block-wise FP8 weights need dynamic float8 activations per "
+                             f"group of {block[1]} (the FP8_BLOCK preset); got input_activations={acts!r}")
 
     def _group_of(self, name: str) -> tuple[str, dict[str, Any]] | None:
         """The config group whose targets match module ``name`` (a target ``"Linear"`` matches every
@@ -237,6 +260,9 @@ class CompressedTensorsConfig(QuantizationConfig):
             return CompressedTensorsWNA16(bits=int(weights["num_bits"]), group_size=group_size,
                                           symmetric=bool(weights.get("symmetric", True)),
                                           act_order=weights.get("actorder") == "group")
+        if strategy == "block":
+            block_n, block_k = weights["block_structure"]
+            return Fp8BlockLinearMethod(block_n=block_n, block_k=block_k, scale_name="weight_scale")
         kind = "fp8" if fmt == "float-quantized" else "int8"
         if acts is None and kind == "int8":
             return CompressedTensorsW8A16Int(bits=8, group_size=-1, symmetric=True)

@@ -3,6 +3,9 @@
 - A checkpoint saved in FP8 (``is_checkpoint_fp8_serialized``) stores float8_e4m3 ``weight [N, K]``
   with a per-tensor ``weight_scale`` per stacked tensor and, for ``activation_scheme: static``,
   an ``input_scale``.
+- A block-wise FP8 checkpoint (``weight_block_size: [block_n, block_k]``: DeepSeek-V3, Qwen3-FP8)
+  stores ``weight_scale_inv [N / block_n, K / block_k]`` instead, with dynamic activations
+  quantized per token and group of ``block_k`` (:class:`Fp8BlockLinearMethod`).
 - ``FusedMoE`` experts get :class:`~pagedlm.core.layers.quantization.moe_methods.Fp8MoEMethod`
   (online, or per-tensor scales from the checkpoint; dynamic activations only).
 - ``quantization="fp8"`` on a bf16/fp16/fp32 checkpoint quantizes each weight as it loads: the
@@ -20,7 +23,7 @@ import torch
 from torch import nn
 
 from pagedlm.core.layers.quantization.base_config import QuantizationConfig
-from pagedlm.core.layers.quantization.schemes import W8A8LinearMethod, online_quantized_weight
+from pagedlm.core.layers.quantization.schemes import Fp8BlockLinearMethod, W8A8LinearMethod, online_quantized_weight
 from pagedlm.core.layers.quantization.utils import FP8_DTYPE, FP8_MAX
 
 __all__ = ["Fp8Config", "Fp8OnlineLinearMethod"]
@@ -47,12 +50,25 @@ class Fp8OnlineLinearMethod(W8A8LinearMethod):
 
 class Fp8Config(QuantizationConfig):
     def __init__(self, is_checkpoint_fp8_serialized: bool = False, activation_scheme: str = "dynamic",
-                 ignored_layers: list[str] | None = None) -> None:
+                 ignored_layers: list[str] | None = None, weight_block_size: list[int] | None = None) -> None:
         if activation_scheme not in ACTIVATION_SCHEMES:
             raise ValueError(f"fp8 activation_scheme={activation_scheme!r} is not supported; supported: "
                              f"{', '.join(ACTIVATION_SCHEMES)}")
         if not is_checkpoint_fp8_serialized and activation_scheme == "static":
             raise ValueError("fp8 with activation_scheme='static' needs an FP8 checkpoint (its input scales)")
+        if weight_block_size is not None:
+            ok = (isinstance(weight_block_size, (list, tuple)) and len(weight_block_size) == 2
+                  and all(isinstance(b, int) and b > 0 for b in weight_block_size))
+            if not ok:
+                raise ValueError(f"fp8 weight_block_size={weight_block_size!r} is not supported; supported: two "
+                                 "positive ints [block_n, block_k], e.g. [128, 128]")
+            if not is_checkpoint_fp8_serialized:
+                raise ValueError("fp8 weight_block_size needs an FP8 checkpoint; online quantization="
+                                 "'fp8' makes per-tensor scales")
+            if activation_scheme != "dynamic":
+                raise ValueError("fp8 block-wise weights with activation_scheme='static' are not supported; "
+                                 "supported: dynamic (per token and group of block_k)")
+        self.weight_block_size = list(weight_block_size) if weight_block_size is not None else None
         self.is_checkpoint_fp8_serialized = is_checkpoint_fp8_serialized
         self.activation_scheme = activation_scheme
         self.ignored_layers = list(ignored_layers or [])
@@ -67,13 +83,11 @@ class Fp8Config(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Fp8Config:
-        if config.get("weight_block_size"):
-            raise ValueError(f"fp8 block-wise weights (weight_block_size={config['weight_block_size']}) are not "
-                             "supported; supported: per-tensor scales, or online quantization")
         serialized = "fp8" in str(config.get("quant_method", ""))
         return cls(is_checkpoint_fp8_serialized=serialized,
                    activation_scheme=str(config.get("activation_scheme", "dynamic")),
-                   ignored_layers=config.get("ignored_layers") or config.get("modules_to_not_convert"))
+                   ignored_layers=config.get("ignored_layers") or config.get("modules_to_not_convert"),
+                   weight_block_size=config.get("weight_block_size"))
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> Any:
         if any(name in prefix for name in self.ignored_layers):
@@ -84,11 +98,17 @@ class Fp8Config(QuantizationConfig):
             return self._moe_method(prefix)
         if not self.is_checkpoint_fp8_serialized:
             return Fp8OnlineLinearMethod()
+        if self.weight_block_size is not None:
+            block_n, block_k = self.weight_block_size
+            return Fp8BlockLinearMethod(block_n=block_n, block_k=block_k, scale_name="weight_scale_inv")
         return W8A8LinearMethod(kind="fp8", per_channel=False, static_input=self.activation_scheme == "static")
 
     def _moe_method(self, prefix: str) -> Any:
         from pagedlm.core.layers.quantization.moe_methods import Fp8MoEMethod
 
+        if self.weight_block_size is not None:
+            raise ValueError(f"{prefix}: block-wise FP8 experts (weight_block_size={self.weight_block_size}) are "
+                             "not supported; supported for experts: per-tensor FP8 scales (or online quantization)")
         if self.activation_scheme == "static":
             raise ValueError(f"{prefix}: FP8 experts with activation_scheme='static' are not supported; supported "
                              "for experts: dynamic per-token activation scales (or online quantization)")
@@ -96,4 +116,5 @@ class Fp8Config(QuantizationConfig):
 
     def describe(self) -> str:
         how = "checkpoint" if self.is_checkpoint_fp8_serialized else "online"
-        return f"fp8 ({how}, {self.activation_scheme} activations)"
+        blocks = f", blocks {self.weight_block_size}" if self.weight_block_size else ""
+        return f"fp8 ({how}{blocks}, {self.activation_scheme} activations)"

@@ -22,6 +22,7 @@ from pagedlm.core.layers import custom_ops
 from pagedlm.core.layers.quantization.base_config import LinearMethodBase, set_param_attrs
 from pagedlm.core.layers.quantization.utils import (
     FP8_DTYPE,
+    fp8_block_scaled_mm_ref,
     fp8_scaled_mm_ref,
     int8_scaled_mm_ref,
     int8_weight_only_gemm_ref,
@@ -29,8 +30,8 @@ from pagedlm.core.layers.quantization.utils import (
     wna16_gemm_ref,
 )
 
-__all__ = ["W8A8LinearMethod", "WNA16LinearMethod", "new_param", "online_quantized_weight", "replace_params",
-           "same_for_every_shard"]
+__all__ = ["Fp8BlockLinearMethod", "W8A8LinearMethod", "WNA16LinearMethod", "new_param", "online_quantized_weight",
+           "replace_params", "same_for_every_shard"]
 
 WNA16_BITS = (4, 8)
 
@@ -233,3 +234,48 @@ class W8A8LinearMethod(LinearMethodBase):
             w = layer.weight.to(x.dtype) * layer.weight_scale.to(x.dtype).unsqueeze(1)
             return F.linear(x, w, bias)
         return self.op(x, layer.weight, layer.weight_scale, layer.input_scale, bias)
+
+
+class Fp8BlockLinearMethod(LinearMethodBase):
+    """Block-wise FP8 (DeepSeek-V3's and Qwen3-FP8's ``weight_block_size``, compressed-tensors'
+    ``block`` strategy): float8_e4m3fn ``weight [N_r, K_r]`` with one float32 scale per
+    ``[block_n, block_k]`` block, stored as ``scale_name`` (``weight_scale_inv`` or
+    ``weight_scale``: the factor to multiply by, whatever its name), and activations quantized
+    dynamically per token and group of ``block_k`` (op ``fp8_block_scaled_mm``).
+
+    NOTE: blocks never straddle tensor-parallel ranks or the checkpoint tensors fused into one
+    layer (q/k/v, gate/up): every such part is a whole number of blocks, else a ``ValueError``.
+    After loading the layer holds ``weight`` and ``weight_scale [N_r / block_n, K_r / block_k]``.
+    """
+
+    op_name = "fp8_block_scaled_mm"
+
+    def __init__(self, *, block_n: int, block_k: int, scale_name: str) -> None:
+        if block_n < 1 or block_k < 1:
+            raise ValueError(f"block size [{block_n}, {block_k}] must be positive")
+        self.block_n = block_n
+        self.block_k = block_k
+        self.scale_name = scale_name
+        self.op = custom_ops.bound_op(self.op_name) or fp8_block_scaled_mm_ref
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype,
+                       **extra_weight_attrs: Any) -> None:
+        k = input_size_per_partition
+        parts = [size for size in output_partition_sizes if size % self.block_n] + ([k] if k % self.block_k else [])
+        if parts:
+            raise ValueError(f"{layer.prefix}: output parts {output_partition_sizes} and input {k} per rank must be "
+                             f"whole blocks of [{self.block_n}, {self.block_k}] (block-wise FP8); use a "
+                             "tensor-parallel size that keeps them whole")
+        n = sum(output_partition_sizes)
+        new_param(layer, "weight", (n, k), FP8_DTYPE, output_dim=0, input_dim=1, **extra_weight_attrs)
+        new_param(layer, self.scale_name, (n // self.block_n, k // self.block_k), torch.float32, output_dim=0,
+                  input_dim=1, packed_dim=0, packed_factor=self.block_n, dummy_init=_dummy_positive,
+                  **extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        scale = getattr(layer, self.scale_name).data.float()
+        replace_params(layer, [self.scale_name], {"weight_scale": scale})
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.op(x, layer.weight, layer.weight_scale, self.block_n, self.block_k, bias)

@@ -21,11 +21,14 @@ __all__ = [
     "AWQ_PACK_ORDER",
     "FP8_DTYPE",
     "FP8_MAX",
+    "fp8_block_dequantize",
+    "fp8_block_scaled_mm_ref",
     "fp8_scaled_mm_ref",
     "int8_scaled_mm_ref",
     "int8_weight_only_gemm_ref",
     "pack_cols",
     "pack_rows",
+    "quantize_fp8_per_group",
     "quantize_fp8_per_token",
     "unpack_cols",
     "unpack_rows",
@@ -121,6 +124,37 @@ def fp8_scaled_mm_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     """The ``fp8_scaled_mm`` op in torch (float32 products of the fp8 values)."""
     x_q, x_scale = quantize_fp8_per_token(x.reshape(-1, x.shape[-1]), input_scale)
     out = (x_q.float() @ weight.float().t()) * x_scale * weight_scale.float().reshape(1, -1)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def quantize_fp8_per_group(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [T, K]`` -> ``(x_q [T, K] float8_e4m3fn, scale [T, ceil(K / group_size)] float32)``: each
+    run of ``group_size`` values of a row (the last one may be shorter) by its own ``amax / 448``."""
+    t, k = x.shape
+    groups = -(-k // group_size)
+    xf = torch.nn.functional.pad(x.float(), (0, groups * group_size - k)).view(t, groups, group_size)
+    scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-12)
+    x_q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return x_q.view(t, -1)[:, :k], scale
+
+
+def fp8_block_dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """``weight [N, K]`` float8 with one scale per ``[block_n, block_k]`` block (``weight_scale
+    [ceil(N / block_n), ceil(K / block_k)]``) -> the ``[N, K]`` float32 weight."""
+    n, k = weight.shape
+    scale = weight_scale.float().repeat_interleave(block_n, 0)[:n].repeat_interleave(block_k, 1)[:, :k]
+    return weight.float() * scale
+
+
+def fp8_block_scaled_mm_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_n: int,
+                            block_k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``fp8_block_scaled_mm`` op in torch: activations quantized per token and group of
+    ``block_k``, float32 products of the dequantized values."""
+    x_q, x_scale = quantize_fp8_per_group(x.reshape(-1, x.shape[-1]), block_k)
+    x_dq = x_q.float() * x_scale.repeat_interleave(block_k, 1)[:, : x_q.shape[1]]
+    out = x_dq @ fp8_block_dequantize(weight, weight_scale, block_n, block_k).t()
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
