@@ -161,10 +161,10 @@ def _rtn_groups(w: Any, bits: int, group_size: int, sym: bool, g_idx: Any) -> tu
     return q, scales, zeros
 
 
-def _write_quantized(src: Path, out: Path, reference: Path | None, tensors: dict[str, Any],
-                     dequantized: dict[str, Any], quantization_config: dict[str, Any]) -> None:
-    """``out``: ``src`` with the modules of ``dequantized`` replaced by ``tensors``; ``reference``
-    (unless None): ``src`` with those modules' dequantized weights."""
+def _write_quantized(src: Path, out: Path, tensors: dict[str, Any], quantization_config: dict[str, Any],
+                     reference: Path | None = None, dequantized: dict[str, Any] | None = None) -> None:
+    """``out``: ``src`` with the ``weight`` of every module named in ``tensors`` replaced by those
+    tensors; ``reference`` (with ``dequantized``): ``src`` with those modules' dequantized weights."""
     import torch
     from safetensors.torch import save_file
 
@@ -172,11 +172,11 @@ def _write_quantized(src: Path, out: Path, reference: Path | None, tensors: dict
 
     base = dict(safetensors_weights_iterator(find_weight_files(str(src), "auto")))
     out.mkdir(parents=True, exist_ok=True)
-    quantized_names = {name.rsplit(".", 1)[0] for name in dequantized}
+    quantized_names = {name.rsplit(".", 1)[0] for name in tensors}
     plain = {n: t for n, t in base.items() if n.rsplit(".", 1)[0] not in quantized_names or not n.endswith(".weight")}
     save_file({**plain, **{n: t.contiguous() for n, t in tensors.items()}}, str(out / "model.safetensors"))
     config = json.loads((src / "config.json").read_text())
-    if reference is not None:
+    if reference is not None and dequantized is not None:
         reference.mkdir(parents=True, exist_ok=True)
         save_file({**plain, **{n: t.to(torch.float32).contiguous() for n, t in dequantized.items()}},
                   str(reference / "model.safetensors"))
@@ -237,11 +237,11 @@ def make_gptq_checkpoint(src: str | os.PathLike[str], out_dir: str | os.PathLike
         tensors[f"{name}.scales"] = scales.to(torch.float16)
         tensors[f"{name}.g_idx"] = g_idx
         dequantized[f"{name}.weight"] = ((q - zeros[gi]).float() * scales.to(torch.float16).float()[gi]).t()
-    _write_quantized(src, out, reference, tensors, dequantized, {
+    _write_quantized(src, out, tensors, {
         "quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
         "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True, "static_groups": False,
         "lm_head": lm_head,
-    })
+    }, reference, dequantized)
     return str(out), str(reference)
 
 
@@ -268,10 +268,10 @@ def make_awq_checkpoint(src: str | os.PathLike[str], out_dir: str | os.PathLike[
         tensors[f"{name}.qzeros"] = pack_cols(zeros, 4, order=AWQ_PACK_ORDER)
         tensors[f"{name}.scales"] = scales.to(torch.float16)
         dequantized[f"{name}.weight"] = ((q - zeros[gi]).float() * scales.to(torch.float16).float()[gi]).t()
-    _write_quantized(src, out, reference, tensors, dequantized, {
+    _write_quantized(src, out, tensors, {
         "quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
         "modules_to_not_convert": None, "lm_head": lm_head,
-    })
+    }, reference, dequantized)
     return str(out), str(reference)
 
 
@@ -288,7 +288,6 @@ def make_fp8_block_checkpoint(src: str | os.PathLike[str], out_dir: str | os.Pat
     src, out = Path(src), Path(out_dir)
     bn, bk = block_size
     tensors: dict[str, Any] = {}
-    dequantized: dict[str, Any] = {}
     for name, w in _linear_weights(src).items():
         n, k = w.shape
         blocks = w.float().reshape(n // bn, bn, k // bk, bk)
@@ -296,8 +295,7 @@ def make_fp8_block_checkpoint(src: str | os.PathLike[str], out_dir: str | os.Pat
         q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).reshape(n, k)
         tensors[f"{name}.weight"] = q
         tensors[f"{name}.weight_scale_inv"] = scale
-        dequantized[f"{name}.weight"] = None  # HF reads the FP8 files: no dequantized copy
-    _write_quantized(src, out, None, tensors, dequantized, {
+    _write_quantized(src, out, tensors, {
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [bn, bk],
     })
     return str(out)
