@@ -25,6 +25,15 @@ def _with_quant_config(tmp_path: Path, quantization_config: dict, **hyper) -> st
     return d
 
 
+@pytest.mark.parametrize("user, ckpt", [("gptq_marlin", "gptq"), ("gptq_bitblas", "gptq"), ("awq_marlin", "awq")])
+def test_vllm_kernel_names_select_the_format(tmp_path, user, ckpt):
+    """vLLM's kernel names (its log advises ``quantization=gptq_marlin``) run the format's method."""
+    config = ({"quant_method": "gptq", "bits": 4, "group_size": 128} if ckpt == "gptq"
+              else {"quant_method": "awq", "w_bit": 4, "q_group_size": 128})
+    d = _with_quant_config(tmp_path, config)
+    assert get_quant_config(ModelConfig(model=d, quantization=user)).get_name() == ckpt
+
+
 def test_builtin_methods_register_through_the_hook():
     methods = registered_quantization_methods()
     assert {"fp8", "compressed-tensors", "gptq", "awq", "gguf", "int8"} <= set(methods)

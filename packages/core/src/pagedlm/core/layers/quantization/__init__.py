@@ -40,9 +40,16 @@ __all__ = [
 ]
 
 
+#: vLLM's names of kernels for a format (``--quantization gptq_marlin``, as vLLM's own log advises)
+#: -> the format's method: pagedlm picks its kernels per platform, so they name the same method
+KERNEL_ALIASES = {"gptq-marlin": "gptq", "gptq-bitblas": "gptq", "awq-marlin": "awq"}
+
+
 def normalize_method_name(name: str) -> str:
-    """``"compressed_tensors"`` and ``"Compressed-Tensors"`` are ``"compressed-tensors"``."""
-    return str(name).strip().lower().replace("_", "-")
+    """``"compressed_tensors"`` and ``"Compressed-Tensors"`` are ``"compressed-tensors"``;
+    ``"gptq_marlin"`` is ``"gptq"`` (:data:`KERNEL_ALIASES`)."""
+    key = str(name).strip().lower().replace("_", "-")
+    return KERNEL_ALIASES.get(key, key)
 
 
 def registered_quantization_methods() -> dict[str, str]:
