@@ -166,8 +166,8 @@ def test_int8_scaled_mm_matches_reference(static, m, n, k, device):
                                             (200, 256, 300, (128, 128)), (5, 192, 256, (64, 64))])
 def test_fp8_block_scaled_mm_matches_reference(m, n, k, block, dtype, device):
     """Block-wise FP8: the group quantization's scales bit for bit and its values as core's
-    reference, the GEMM within float32 summation-order noise (K and N not multiples of a block
-    included: the last block is partial, as ceil-sized scales say)."""
+    reference, the GEMM within the FP8 tensor cores' accumulation error (K and N not multiples of
+    a block included: the last block is partial, as ceil-sized scales say)."""
     from pagedlm.backends.cuda.kernels.fp8_block import fp8_block_scaled_mm, quantize_row_groups
     from pagedlm.core.layers.quantization.utils import (
         fp8_block_dequantize,
@@ -181,7 +181,7 @@ def test_fp8_block_scaled_mm_matches_reference(m, n, k, block, dtype, device):
     gen = torch.Generator().manual_seed(5)
     x = (torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 10).to(dtype)
     x[0, :2] = torch.tensor([300.0, -1e-3])  # one loud group in row 0
-    w = (torch.randn(n, k, generator=gen) * 100).to(torch.float8_e4m3fn)
+    w = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)  # past 448: NaN
     ws = torch.rand(-(-n // bn), -(-k // bk), generator=gen) * 1e-3 + 1e-4
     bias = torch.randn(n, generator=gen).to(dtype)
     ref_q, ref_scale = quantize_fp8_per_group(x, bk)
@@ -197,7 +197,9 @@ def test_fp8_block_scaled_mm_matches_reference(m, n, k, block, dtype, device):
     else:
         assert torch.equal(got_q.cpu().view(torch.uint8), ref_q.view(torch.uint8))
         ref = fp8_block_scaled_mm_ref(x, w, ws, bn, bk, bias)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    # NOTE: Hopper's FP8 MMAs (wgmma, 64+ rows) accumulate within an instruction with fewer bits
+    # than float32: 5-6e-5 of the output's range on an H100 (2026-12-06), 2e-7 at one row (mma.sync)
+    tol = (1e-5 if INTERPRET else 2e-4) if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float().cpu(), ref.float(), atol=tol * ref.float().abs().max().item(), rtol=tol)
 
 

@@ -95,7 +95,8 @@ def test_w8a8_layers_of_an_engine_run_match_the_reference_op(name, quant_checkpo
             ref = ref_op(x, mod.weight.cpu(), mod.weight_scale.cpu(), scale, None)
         if getattr(mod, "bias", None) is not None:
             ref = ref + mod.bias.cpu()
-        torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item(), msg=layer_name)
+        torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item(),
+                                   msg=lambda m, layer_name=layer_name: f"{layer_name}: {m}")
 
 
 def test_fp8_kv_cache_gives_the_cpu_engines_tokens(quant_base):

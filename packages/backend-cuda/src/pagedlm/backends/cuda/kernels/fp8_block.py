@@ -43,9 +43,10 @@ def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, K, num_groups, stride_xm, s
     k = group * group_size + tl.arange(0, BLOCK)
     ok = (k < K) & (tl.arange(0, BLOCK) < group_size)
     x = tl.load(x_ptr + row * stride_xm + k, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 0) / 448.0, 1e-12)
+    # NOTE: div_rn, the reference's IEEE quotients (``/`` is an approximate division on the GPU:
+    # scales one ulp off the reference's, H100, 2026-12-06)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), 448.0), 1e-12)
     tl.store(scale_ptr + row * num_groups + group, scale)
-    # NOTE: div_rn, the reference's IEEE quotient (``/`` is an approximate division on the GPU)
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
     tl.store(q_ptr + row * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=ok)
 
@@ -89,7 +90,10 @@ def _fp8_block_gemm_kernel(
         if not ON_GPU:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        part = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
+        # NOTE: Hopper's FP8 MMAs keep fewer accumulator bits unless promoted; 32 promotes after
+        # every MMA's K step, so a block's sum is float32 (H100: ~5e-4 of the output's range off
+        # without it, 2026-12-06)
+        part = tl.dot(a, tl.trans(b), out_dtype=tl.float32, max_num_imprecise_acc=32 if ON_GPU else None)
         xs = tl.load(xs_ptr + rm * num_k_blocks + kb, mask=m_ok, other=0.0)
         ws = tl.load(w_scale_rows + kb, mask=n_ok, other=0.0)
         acc += part * xs[:, None] * ws[None, :]
