@@ -38,6 +38,7 @@ from pagedlm.core.layers.quantization.schemes import (
     Fp8BlockLinearMethod,
     W8A8LinearMethod,
     WNA16LinearMethod,
+    block_size_of,
     new_param,
     same_for_every_shard,
 )
@@ -215,11 +216,7 @@ class CompressedTensorsConfig(QuantizationConfig):
         if fmt != "float-quantized" or weights.get("type") != "float" or weights.get("num_bits") != 8:
             raise ValueError(f"config_groups.{name}: block-wise {fmt} {weights.get('type')}{weights.get('num_bits')} "
                              "weights are not supported; supported: float8 (float-quantized)")
-        block = weights.get("block_structure")
-        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0
-                                                                              for b in block)):
-            raise ValueError(f"config_groups.{name}: block_structure={block!r} is not supported; supported: two "
-                             "positive ints [block_n, block_k]")
+        block = block_size_of(weights.get("block_structure"), f"config_groups.{name}: block_structure")
         ok = (acts is not None and acts.get("type") == "float" and acts.get("num_bits") == 8 and acts.get("dynamic")
               and acts.get("strategy") == "group" and acts.get("group_size") == block[1])
         if not ok:

@@ -23,7 +23,12 @@ import torch
 from torch import nn
 
 from pagedlm.core.layers.quantization.base_config import QuantizationConfig
-from pagedlm.core.layers.quantization.schemes import Fp8BlockLinearMethod, W8A8LinearMethod, online_quantized_weight
+from pagedlm.core.layers.quantization.schemes import (
+    Fp8BlockLinearMethod,
+    W8A8LinearMethod,
+    block_size_of,
+    online_quantized_weight,
+)
 from pagedlm.core.layers.quantization.utils import FP8_DTYPE, FP8_MAX
 
 __all__ = ["Fp8Config", "Fp8OnlineLinearMethod"]
@@ -56,19 +61,15 @@ class Fp8Config(QuantizationConfig):
                              f"{', '.join(ACTIVATION_SCHEMES)}")
         if not is_checkpoint_fp8_serialized and activation_scheme == "static":
             raise ValueError("fp8 with activation_scheme='static' needs an FP8 checkpoint (its input scales)")
+        self.weight_block_size = None
         if weight_block_size is not None:
-            ok = (isinstance(weight_block_size, (list, tuple)) and len(weight_block_size) == 2
-                  and all(isinstance(b, int) and b > 0 for b in weight_block_size))
-            if not ok:
-                raise ValueError(f"fp8 weight_block_size={weight_block_size!r} is not supported; supported: two "
-                                 "positive ints [block_n, block_k], e.g. [128, 128]")
+            self.weight_block_size = block_size_of(weight_block_size, "fp8 weight_block_size")
             if not is_checkpoint_fp8_serialized:
                 raise ValueError("fp8 weight_block_size needs an FP8 checkpoint; online quantization="
                                  "'fp8' makes per-tensor scales")
             if activation_scheme != "dynamic":
                 raise ValueError("fp8 block-wise weights with activation_scheme='static' are not supported; "
                                  "supported: dynamic (per token and group of block_k)")
-        self.weight_block_size = list(weight_block_size) if weight_block_size is not None else None
         self.is_checkpoint_fp8_serialized = is_checkpoint_fp8_serialized
         self.activation_scheme = activation_scheme
         self.ignored_layers = list(ignored_layers or [])
@@ -107,7 +108,7 @@ class Fp8Config(QuantizationConfig):
         from pagedlm.core.layers.quantization.moe_methods import Fp8MoEMethod
 
         if self.weight_block_size is not None:
-            raise ValueError(f"{prefix}: block-wise FP8 experts (weight_block_size={self.weight_block_size}) are "
+            raise ValueError(f"{prefix}: block-wise FP8 experts (weight_block_size={list(self.weight_block_size)}) are "
                              "not supported; supported for experts: per-tensor FP8 scales (or online quantization)")
         if self.activation_scheme == "static":
             raise ValueError(f"{prefix}: FP8 experts with activation_scheme='static' are not supported; supported "
@@ -116,5 +117,5 @@ class Fp8Config(QuantizationConfig):
 
     def describe(self) -> str:
         how = "checkpoint" if self.is_checkpoint_fp8_serialized else "online"
-        blocks = f", blocks {self.weight_block_size}" if self.weight_block_size else ""
+        blocks = f", blocks {list(self.weight_block_size)}" if self.weight_block_size else ""
         return f"fp8 ({how}{blocks}, {self.activation_scheme} activations)"

@@ -30,8 +30,8 @@ from pagedlm.core.layers.quantization.utils import (
     wna16_gemm_ref,
 )
 
-__all__ = ["Fp8BlockLinearMethod", "W8A8LinearMethod", "WNA16LinearMethod", "new_param", "online_quantized_weight",
-           "replace_params", "same_for_every_shard"]
+__all__ = ["Fp8BlockLinearMethod", "W8A8LinearMethod", "WNA16LinearMethod", "block_size_of", "new_param",
+           "online_quantized_weight", "replace_params", "same_for_every_shard"]
 
 WNA16_BITS = (4, 8)
 
@@ -236,6 +236,15 @@ class W8A8LinearMethod(LinearMethodBase):
         return self.op(x, layer.weight, layer.weight_scale, layer.input_scale, bias)
 
 
+def block_size_of(value: Any, what: str) -> tuple[int, int]:
+    """``[block_n, block_k]`` from a checkpoint config, or a ``ValueError`` naming ``what``."""
+    if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(b, int) and b > 0
+                                                                         for b in value)):
+        raise ValueError(f"{what}={value!r} is not supported; supported: two positive ints [block_n, block_k], "
+                         "e.g. [128, 128]")
+    return value[0], value[1]
+
+
 class Fp8BlockLinearMethod(LinearMethodBase):
     """Block-wise FP8 (DeepSeek-V3's and Qwen3-FP8's ``weight_block_size``, compressed-tensors'
     ``block`` strategy): float8_e4m3fn ``weight [N_r, K_r]`` with one float32 scale per
@@ -251,8 +260,6 @@ class Fp8BlockLinearMethod(LinearMethodBase):
     op_name = "fp8_block_scaled_mm"
 
     def __init__(self, *, block_n: int, block_k: int, scale_name: str) -> None:
-        if block_n < 1 or block_k < 1:
-            raise ValueError(f"block size [{block_n}, {block_k}] must be positive")
         self.block_n = block_n
         self.block_k = block_k
         self.scale_name = scale_name
