@@ -55,6 +55,10 @@ def quant_checkpoints(quant_base, tmp_path_factory):
     ct("w4a16-lm-head", "W4A16", ignore=())
     built["gptq-lm-head"] = make_gptq_checkpoint(quant_base, root / "gptq-lm-head", bits=4, group_size=128,
                                                  lm_head=True)
+    # GPTQModel's per-module overrides: layer 1's MLP left in full precision, every other
+    # down_proj at 8 bits (the first matching pattern decides)
+    built["gptq-dynamic"] = make_gptq_checkpoint(quant_base, root / "gptq-dynamic", bits=4, group_size=128, dynamic={
+        r"-:model\.layers\.1\.mlp\..*": {}, r"+:.*\.down_proj": {"bits": 8}})
     built["awq-lm-head"] = make_awq_checkpoint(quant_base, root / "awq-lm-head", group_size=128, lm_head=True)
     # block-wise FP8: compressed-tensors' FP8_BLOCK preset, and the fp8 method's weight_block_size
     # layout (DeepSeek-V3, Qwen3-FP8), which HF reads itself; [64, 64] blocks stay whole at TP=2

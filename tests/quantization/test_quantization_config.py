@@ -73,6 +73,11 @@ def test_detection_from_config_json_and_user_option(tmp_path):
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
         "targets": ["Linear"], "weights": {"num_bits": 3, "type": "int", "strategy": "group", "group_size": 128}}},
       "ignore": ["lm_head"]}, "int3 weights.*supported: int4, int8"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"+:.*down_proj": {"bits": 3}}},
+     r"gptq dynamic\['\+:\.\*down_proj'\]: bits=3 is not supported"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"+:.*down_proj": {"damp": 0.1}}},
+     "supported overrides are a dict of bits, group_size, desc_act, sym"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"-:(": {}}}, "is not a regular expression"),
 ])
 def test_bad_quantization_config_names_what_is_supported(tmp_path, config, match):
     d = _with_quant_config(tmp_path, config)
@@ -259,4 +264,12 @@ def test_block_fp8_needs_whole_blocks_per_rank(tmp_path):
                                       "weight_block_size": [256, 128]})
     with pytest.raises(ValueError, match=r"qkv_proj: output parts \[256, 128, 128\] and input 256 per rank must be "
                                          r"whole blocks of \[256, 128\]"):
+        LLM(model=d, load_format="dummy", device="cpu", dtype="float32", skip_tokenizer_init=True)
+
+
+def test_gptq_dynamic_must_agree_across_a_fused_layer(tmp_path):
+    """q_proj alone at 8 bits would split the fused q/k/v layer: refused, naming it."""
+    d = _with_quant_config(tmp_path, {"quant_method": "gptq", "bits": 4, "group_size": 128,
+                                      "dynamic": {r"+:.*\.q_proj": {"bits": 8}}})
+    with pytest.raises(ValueError, match=r"the modules fused into model\.layers\.0\.self_attn\.qkv_proj get different"):
         LLM(model=d, load_format="dummy", device="cpu", dtype="float32", skip_tokenizer_init=True)

@@ -25,7 +25,7 @@ from pagedlm.core.testing import assert_greedy_matches_hf, hf_greedy
 
 MAX_NEW = 16
 WEIGHT_ONLY = ["w4a16", "w4a16-channel", "w8a16", "w4a16-asym", "gptq", "gptq-act-order", "gptq-8bit-asym", "awq",
-               "w4a16-lm-head", "gptq-lm-head", "awq-lm-head"]
+               "w4a16-lm-head", "gptq-lm-head", "awq-lm-head", "gptq-dynamic"]
 W8A8 = ["fp8-dynamic", "fp8-static", "w8a8-int8"]
 #: block-wise FP8 in the fp8 method's own layout (weight_block_size), block sizes
 FP8_BLOCK_NATIVE = {"fp8-block-native": 128, "fp8-block-native-64": 64}
@@ -164,6 +164,21 @@ def test_fp8_block_close_to_hf(name, quant_checkpoints):
     forgiven = assert_greedy_matches_hf(model_dir, prompts(), MAX_NEW, reference=ref, tie_tol=0.25, logprobs=0,
                                         logprob_atol=0.25)
     assert forgiven <= 1
+
+
+def test_gptq_dynamic_overrides_choose_each_layers_scheme(quant_checkpoints):
+    """GPTQModel's ``dynamic``: the skipped modules stay full precision, the overridden ones get
+    their bits, the rest the checkpoint's."""
+    from pagedlm.core.layers.quantization.base_config import UnquantizedLinearMethod
+
+    llm = LLM(model=quant_checkpoints["gptq-dynamic"][0], dtype="float32", device="cpu")
+    model = llm.llm_engine.core.executor.worker.model_runner.model
+    methods = {n: m.quant_method for n, m in model.named_modules() if hasattr(m, "quant_method")}
+    assert methods["model.layers.0.mlp.down_proj"].bits == 8
+    assert methods["model.layers.0.mlp.gate_up_proj"].bits == 4
+    assert methods["model.layers.1.self_attn.qkv_proj"].bits == 4
+    for name in ("model.layers.1.mlp.gate_up_proj", "model.layers.1.mlp.down_proj"):
+        assert isinstance(methods[name], UnquantizedLinearMethod), name
 
 
 def test_block_fp8_layers_run_the_block_op(quant_checkpoints):

@@ -183,7 +183,8 @@ def _write_quantized(src: Path, out: Path, tensors: dict[str, Any], quantization
         (reference / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         _copy_side_files(src, reference)
     config["quantization_config"] = quantization_config
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    # NOTE: keys in the order given: GPTQ's ``dynamic`` patterns apply first match first
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     _copy_side_files(src, out)
 
 
@@ -200,12 +201,16 @@ def _linear_weights(src: Path, lm_head: bool = False) -> dict[str, Any]:
 
 def make_gptq_checkpoint(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, bits: int = 4,
                          group_size: int = 128, desc_act: bool = False, sym: bool = True, seed: int = 0,
-                         lm_head: bool = False,
+                         lm_head: bool = False, dynamic: dict[str, dict[str, Any]] | None = None,
                          reference_dir: str | os.PathLike[str] | None = None) -> tuple[str, str]:
     """GPTQ (AutoGPTQ ``gptq`` format: ``qzeros`` hold zero - 1) of ``src``; with ``desc_act`` the
     input rows are visited in a random order, so ``g_idx`` scatters groups; ``lm_head`` quantizes
-    the (untied) LM head too (``"lm_head": true``, as GPTQModel and AutoRound write it). Returns
-    ``(out_dir, reference_dir)`` (default ``out_dir + "-dequantized"``)."""
+    the (untied) LM head too (``"lm_head": true``, as GPTQModel and AutoRound write it);
+    ``dynamic`` (GPTQModel's per-module overrides, written to the config too): the first pattern
+    matching a module name gives its ``bits`` / ``group_size`` / ``sym``, or with ``-:`` leaves it
+    in full precision. Returns ``(out_dir, reference_dir)`` (default ``out_dir + "-dequantized"``)."""
+    import re
+
     import torch
 
     from pagedlm.core.layers.quantization.utils import pack_cols, pack_rows
@@ -215,7 +220,14 @@ def make_gptq_checkpoint(src: str | os.PathLike[str], out_dir: str | os.PathLike
     tensors: dict[str, Any] = {}
     dequantized: dict[str, Any] = {}
     perms: dict[str, Any] = {}
+    defaults = {"bits": bits, "group_size": group_size, "sym": sym}
     for name, w in _linear_weights(src, lm_head).items():
+        rule = next(((p, o) for p, o in (dynamic or {}).items() if re.match(p.removeprefix("-:").removeprefix("+:"),
+                                                                              name)), None)
+        if rule is not None and rule[0].startswith("-:"):
+            continue  # stays in full precision, in both directories
+        fields = {**defaults, **(rule[1] if rule else {})}
+        bits, group_size, sym = fields["bits"], fields["group_size"], fields["sym"]
         k = w.shape[1]
         g = group_size if group_size != -1 else k
         if desc_act:
@@ -238,9 +250,9 @@ def make_gptq_checkpoint(src: str | os.PathLike[str], out_dir: str | os.PathLike
         tensors[f"{name}.g_idx"] = g_idx
         dequantized[f"{name}.weight"] = ((q - zeros[gi]).float() * scales.to(torch.float16).float()[gi]).t()
     _write_quantized(src, out, tensors, {
-        "quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
-        "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True, "static_groups": False,
-        "lm_head": lm_head,
+        "quant_method": "gptq", **defaults, "desc_act": desc_act, "checkpoint_format": "gptq", "damp_percent": 0.01,
+        "true_sequential": True, "static_groups": False, "lm_head": lm_head,
+        **({"dynamic": dynamic} if dynamic else {}),
     }, reference, dequantized)
     return str(out), str(reference)
 
