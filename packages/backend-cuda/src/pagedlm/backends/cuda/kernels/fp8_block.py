@@ -27,7 +27,6 @@ from pagedlm.backends.cuda.kernels.launch import launch, pdl_options, pdl_wait
 
 __all__ = ["fp8_block_scaled_mm", "quantize_row_groups"]
 
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 # The interpreter's FP8 dots are inexact (numpy); there the tiles are multiplied as float32
 # copies of the same FP8 values. Never set on a GPU.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -130,7 +129,7 @@ def fp8_block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
         x_q, x_scale = quantize_row_groups(x2, block_k)
         block_m, tile_n, num_warps = _tiles(m)
         launch(_fp8_block_gemm_kernel, (triton.cdiv(m, block_m), triton.cdiv(n, tile_n)),
-               x_q, x_scale, weight, weight_scale.contiguous(), bias if bias is not None else x_scale, out,
+               x_q, x_scale, weight, weight_scale, bias if bias is not None else x_scale, out,
                m, n, k, triton.cdiv(k, block_k), x_q.stride(0), weight.stride(0), out.stride(0), block_n,
                HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=tile_n, BLOCK_K=block_k, ON_GPU=not INTERPRET,
                num_warps=num_warps, num_stages=3, **pdl_options(x.device))
