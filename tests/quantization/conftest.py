@@ -59,6 +59,12 @@ def quant_checkpoints(quant_base, tmp_path_factory):
     # down_proj at 8 bits (the first matching pattern decides)
     built["gptq-dynamic"] = make_gptq_checkpoint(quant_base, root / "gptq-dynamic", bits=4, group_size=128, dynamic={
         r"-:model\.layers\.1\.mlp\..*": {}, r"+:.*\.down_proj": {"bits": 8}})
+    # the token embedding packed too (targets "Embedding"): transformers 5 cannot load such files
+    # (its weight init meets an Embedding with no weight), so HF runs compressed-tensors'
+    # decompression of them
+    for name, scheme in (("w4a16-embed", "W4A16"), ("w4a16-asym-embed", "W4A16_ASYM")):
+        d = make_compressed_tensors_checkpoint(quant_base, root / name, scheme, targets=("Linear", "Embedding"))
+        built[name] = (d, dequantized_compressed_tensors_reference(d, root / f"{name}-dequantized"))
     built["awq-lm-head"] = make_awq_checkpoint(quant_base, root / "awq-lm-head", group_size=128, lm_head=True)
     # block-wise FP8: compressed-tensors' FP8_BLOCK preset, and the fp8 method's weight_block_size
     # layout (DeepSeek-V3, Qwen3-FP8), which HF reads itself; [64, 64] blocks stay whole at TP=2

@@ -129,6 +129,9 @@ def test_a_plugin_adds_and_overrides_methods():
     {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"], "config_groups": {"g": {
         "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
         "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}},
+    {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": [], "config_groups": {"g": {
+        "targets": ["Linear", "Embedding"], "weights": {"num_bits": 4, "type": "int", "strategy": "group",
+                                                        "group_size": 128, "symmetric": False}}}},
     None,  # quantization="fp8" on a full-precision config
 ])
 def test_dummy_weights_of_quantized_layouts_run(tmp_path, quantization_config):
@@ -273,3 +276,30 @@ def test_gptq_dynamic_must_agree_across_a_fused_layer(tmp_path):
                                       "dynamic": {r"+:.*\.q_proj": {"bits": 8}}})
     with pytest.raises(ValueError, match=r"the modules fused into model\.layers\.0\.self_attn\.qkv_proj get different"):
         LLM(model=d, load_format="dummy", device="cpu", dtype="float32", skip_tokenizer_init=True)
+
+
+def _ct_group(targets, fmt="pack-quantized", ignore=()):
+    weights = ({"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128} if fmt == "pack-quantized"
+               else {"num_bits": 8, "type": "float", "strategy": "channel"})
+    return {"quant_method": "compressed-tensors", "format": fmt, "ignore": list(ignore),
+            "config_groups": {"g": {"targets": targets, "weights": weights}}}
+
+
+@pytest.mark.parametrize("config, packed", [
+    (_ct_group(["Linear"]), False),  # the class name "Linear" names no embedding
+    (_ct_group(["Linear", "Embedding"]), True),
+    (_ct_group(["Linear", "re:.*embed_tokens$"]), True),  # a module-name pattern names it
+    (_ct_group(["Linear", "Embedding"], ignore=["re:.*embed_tokens"]), False),
+])
+def test_compressed_tensors_packs_the_embeddings_its_targets_name(tmp_path, config, packed):
+    d = _with_quant_config(tmp_path, config)
+    llm = LLM(model=d, load_format="dummy", skip_tokenizer_init=True, device="cpu", dtype="float32")
+    embed = llm.llm_engine.core.executor.worker.model_runner.model.model.embed_tokens
+    assert hasattr(embed, "weight_packed") is packed and hasattr(embed, "weight") is not packed
+
+
+def test_compressed_tensors_refuses_an_fp8_embedding_table(tmp_path):
+    d = _with_quant_config(tmp_path, _ct_group(["Linear", "Embedding"], fmt="float-quantized"))
+    with pytest.raises(ValueError, match="embed_tokens: a float-quantized embedding table .* supported for "
+                                         "embeddings: pack-quantized int4/int8"):
+        LLM(model=d, load_format="dummy", skip_tokenizer_init=True, device="cpu", dtype="float32")

@@ -25,7 +25,7 @@ from pagedlm.core.testing import assert_greedy_matches_hf, hf_greedy
 
 MAX_NEW = 16
 WEIGHT_ONLY = ["w4a16", "w4a16-channel", "w8a16", "w4a16-asym", "gptq", "gptq-act-order", "gptq-8bit-asym", "awq",
-               "w4a16-lm-head", "gptq-lm-head", "awq-lm-head", "gptq-dynamic"]
+               "w4a16-lm-head", "gptq-lm-head", "awq-lm-head", "gptq-dynamic", "w4a16-embed", "w4a16-asym-embed"]
 W8A8 = ["fp8-dynamic", "fp8-static", "w8a8-int8"]
 #: block-wise FP8 in the fp8 method's own layout (weight_block_size), block sizes
 FP8_BLOCK_NATIVE = {"fp8-block-native": 128, "fp8-block-native-64": 64}
@@ -98,7 +98,8 @@ def _tp_tokens(model_dir: str, tp: int, **extra) -> list:
         llm.shutdown()
 
 
-@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym", "gptq-act-order", "awq", "w4a16-lm-head", "gptq-lm-head"])
+@pytest.mark.parametrize("name", ["w4a16", "w4a16-asym", "gptq-act-order", "awq", "w4a16-lm-head", "gptq-lm-head",
+                                  "w4a16-asym-embed"])
 def test_tensor_parallel_weight_only_gives_single_rank_tokens(name, quant_checkpoints):
     """TP=2 (gloo, two worker processes) gives exactly TP=1's tokens: packed weights, scales, zero
     points and g_idx are sharded by the layers' loaders (a quantized LM head's over the vocabulary)."""
@@ -223,6 +224,35 @@ def test_weights_take_the_quantized_size(quant_checkpoints, quant_base):
     # a quantized head: its [512, 256] float32 table (512 KiB) becomes 64 KiB of int4 + 4 KiB of scales
     head = weight_bytes(quant_checkpoints["w4a16-lm-head"][0])
     assert w4 - head == 512 * 256 * 4 - (512 * 256 // 2 + 512 * 2 * 4), (w4, head)
+    # a packed embedding table: the same saving, the lookup decoding only the rows it reads
+    embed = weight_bytes(quant_checkpoints["w4a16-embed"][0])
+    assert w4 - embed == 512 * 256 * 4 - (512 * 256 // 2 + 512 * 2 * 4), (w4, embed)
+
+
+def test_packed_embedding_table_stays_packed(quant_checkpoints):
+    """A compressed-tensors group that targets "Embedding" keeps the token table packed (int32
+    words, group scales, unpacked zero points), and the config says so."""
+    llm = LLM(model=quant_checkpoints["w4a16-asym-embed"][0], dtype="float32", device="cpu")
+    embed = llm.llm_engine.core.executor.worker.model_runner.model.model.embed_tokens
+    assert embed.weight_packed.dtype == torch.int32 and tuple(embed.weight_packed.shape) == (512, 256 // 8)
+    assert tuple(embed.weight_scale.shape) == (512, 2) and tuple(embed.weight_zero_point.shape) == (512, 2)
+    assert not hasattr(embed, "weight") and not hasattr(embed, "weight_shape")
+    assert int(embed.weight_zero_point.min()) >= 0 and int(embed.weight_zero_point.max()) < 16
+    assert "embedding quantized" in llm.vllm_config.quant_config.describe()
+
+
+def test_packed_embedding_table_tied_to_the_head_is_refused(quant_checkpoints, tmp_path):
+    import json
+    import shutil
+
+    d = tmp_path / "tied"
+    shutil.copytree(quant_checkpoints["w4a16-embed"][0], d)
+    config = json.loads((d / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="embed_tokens: this checkpoint keeps the embedding table packed.*"
+                                         "tie_word_embeddings.*ignore list"):
+        LLM(model=str(d), dtype="float32", device="cpu")
 
 
 # -- quantization="int8": online per-channel int8 weight-only (the reference: HF on the base

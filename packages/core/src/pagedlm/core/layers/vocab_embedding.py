@@ -30,9 +30,11 @@ class VocabParallelEmbedding(nn.Module):
     """``input_ids [T] -> [T, embedding_dim]``; each rank looks up the ids in its vocab range
     and the ranks all-reduce (every id is owned by exactly one rank).
 
-    ``quant_config``: a method it gives for ``prefix`` (e.g. ``GGUFEmbeddingMethod``) creates
-    ``weight`` in its own layout and computes the lookup (``embedding``) and, for a head, the
-    logits (``apply``); without one the table is ``weight [V_r, embedding_dim]`` in full precision.
+    ``quant_config``: a method it gives for ``prefix`` (``GGUFEmbeddingMethod``,
+    ``CompressedTensorsEmbeddingMethod``) creates the table in its own layout and computes the
+    lookup of this rank's rows (``embedding``) and, for a tied head, the logits (``apply``, where
+    ``computes_logits``); without one the table is ``weight [V_r, embedding_dim]`` in full
+    precision.
     """
 
     def __init__(
@@ -112,15 +114,19 @@ class VocabParallelEmbedding(nn.Module):
         param.data[n:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.quant_method is not None:
-            return self.quant_method.embedding(self, input_ids)  # NOTE: methods are single-rank (GGUF)
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = torch.where(in_range, input_ids - self.vocab_start, torch.zeros_like(input_ids))
-        out = F.embedding(local_ids, self.weight)
+        out = self._lookup(local_ids)
         out = out * in_range.unsqueeze(-1).to(out.dtype)
         return tensor_model_parallel_all_reduce(out)
+
+    def _lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``local_ids`` of this rank's table (a quantize method decodes them)."""
+        if self.quant_method is not None:
+            return self.quant_method.embedding(self, local_ids)
+        return F.embedding(local_ids, self.weight)
 
     def extra_repr(self) -> str:
         return (
@@ -148,6 +154,11 @@ class ParallelLMHead(VocabParallelEmbedding):
             # NOTE: a checkpoint that quantizes the head stores it apart from the embedding (as
             # vLLM reads such files): nothing to share
             return self
+        if not getattr(embedding.quant_method, "computes_logits", True):
+            raise ValueError(f"{embedding.prefix}: this checkpoint keeps the embedding table packed, and a model "
+                             "that ties its LM head to it (tie_word_embeddings) would need that table's logits, "
+                             "which the packed layout has no kernel for; list the embedding in the quantization "
+                             "config's ignore list")
         mine = (self.num_embeddings_per_partition, self.embedding_dim)
         theirs = (embedding.num_embeddings_per_partition, embedding.embedding_dim)
         if mine != theirs:

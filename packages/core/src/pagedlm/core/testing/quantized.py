@@ -79,12 +79,13 @@ def _calibrate_input_amax(model: Any, vocab_size: int, seed: int) -> dict[str, f
 
 def make_compressed_tensors_checkpoint(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], scheme: str, *,
                                        group_size: int | None = None, ignore: tuple[str, ...] = ("lm_head",),
-                                       seed: int = 0) -> str:
+                                       targets: tuple[str, ...] = ("Linear",), seed: int = 0) -> str:
     """Quantize the HF checkpoint ``src`` with compressed-tensors preset ``scheme`` (``"W4A16"``,
     ``"W4A16_ASYM"``, ``"W8A16"``, ``"W8A8"`` (int8), ``"FP8"`` (static per-tensor),
     ``"FP8_DYNAMIC"``) into ``out_dir``; ``group_size`` overrides the preset's (128) for narrow
-    tiny models; ``-1`` makes the weights per channel. Static activation scales are calibrated on
-    random prompts. Returns ``out_dir``."""
+    tiny models; ``-1`` makes the weights per channel. ``targets`` are the scheme's module classes
+    or name patterns (``("Linear", "Embedding")`` packs the token embedding too). Static activation
+    scales are calibrated on random prompts. Returns ``out_dir``."""
     import torch
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
@@ -97,7 +98,7 @@ def make_compressed_tensors_checkpoint(src: str | os.PathLike[str], out_dir: str
 
     src, out = Path(src), Path(out_dir)
     model = _load_hf(src)
-    qscheme = preset_name_to_scheme(scheme, ["Linear"])
+    qscheme = preset_name_to_scheme(scheme, list(targets))
     if group_size is not None and qscheme.weights is not None and qscheme.weights.group_size is not None:
         if group_size == -1:
             qscheme.weights.strategy = "channel"

@@ -498,6 +498,9 @@ def paged_attention(
     if decode_only:
         block_q = 1
         block_m = max(16, group_pad)
+        if fp8_mma:
+            # the transposed FP8 loop puts the rows on the MMA's N side, where 8 is a whole tile
+            block_m = max(cfg.get("BLOCK_M", block_m), group_pad, 8)
         block_n = cfg.get("BLOCK_N", 64)
         # the FP8 tensor-core loop ran 3-5 % faster with two stages than with three (H200)
         num_warps, num_stages = cfg.get("num_warps", 4), cfg.get("num_stages", 2 if fp8_mma else 3)

@@ -16,6 +16,11 @@ Supported, per group:
 - ``int-quantized`` / ``naive-quantized``: int8 ``weight [N, K]``, per-channel or per-tensor scale,
   int8 activations dynamic per token or static per tensor (W8A8 INT8), or none (W8A16).
 
+A ``pack-quantized`` group whose targets name ``Embedding`` (or the embedding module) keeps the
+token embedding table packed too (:class:`CompressedTensorsEmbeddingMethod`; compressed-tensors
+compresses ``nn.Embedding`` modules like linear ones). vLLM loads no such file; here the table
+stays at 4 / 8 bits and a lookup dequantizes only the rows it reads.
+
 ``FusedMoE`` experts (``experts.N.gate_proj`` / Mixtral's ``experts.N.w1`` ...) take the scheme of
 their group: ``pack-quantized`` (no act-order) or ``float-quantized`` FP8 with dynamic per-token
 activations (:mod:`.moe_methods`); other schemes for experts are refused by name.
@@ -44,7 +49,7 @@ from pagedlm.core.layers.quantization.schemes import (
 )
 from pagedlm.core.layers.quantization.utils import unpack_cols, unpack_rows
 
-__all__ = ["CompressedTensorsConfig", "CompressedTensorsWNA16"]
+__all__ = ["CompressedTensorsConfig", "CompressedTensorsEmbeddingMethod", "CompressedTensorsWNA16"]
 
 FORMATS = ("pack-quantized", "float-quantized", "int-quantized", "naive-quantized")
 WEIGHT_STRATEGIES = ("block", "channel", "group", "tensor")
@@ -106,6 +111,84 @@ class CompressedTensorsW8A16Int(WNA16LinearMethod):
         return q, layer.weight_scale.data.t(), None, None, ["weight", "weight_scale"]
 
 
+class CompressedTensorsEmbeddingMethod(QuantizeMethodBase):
+    """A ``pack-quantized`` token embedding, looked up in its packed layout: ``weight_packed [V_r,
+    dim // pack]`` int32 (packed along the hidden dimension), ``weight_scale [V_r, dim // G]``
+    and, asymmetric, ``weight_zero_point`` (packed along the vocabulary on disk, unpacked at load
+    to ``[V_r, dim // G]``); the rows of this rank's vocabulary range. A lookup dequantizes only
+    the rows it reads: ``(q - z) * scale`` with ``z = 2**(bits - 1)`` when symmetric."""
+
+    #: the packed table has no logits path, so a tied LM head cannot share it
+    computes_logits = False
+
+    def __init__(self, *, bits: int, group_size: int, symmetric: bool) -> None:
+        self.bits = bits
+        self.pack_factor = 32 // bits
+        self.group_size = group_size
+        self.symmetric = symmetric
+
+    def create_weights(self, layer: nn.Module, num_embeddings: int, embedding_dim: int,  # type: ignore[override]
+                       params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
+        group = embedding_dim if self.group_size == -1 else self.group_size
+        if embedding_dim % self.pack_factor or embedding_dim % group:
+            raise ValueError(f"{layer.prefix}: embedding size {embedding_dim} is not a multiple of the packed word "
+                             f"({self.pack_factor} values) and of group_size {group}")
+        groups = embedding_dim // group
+        rows = layer.weight_loader  # this rank's vocabulary rows of a [V, ...] checkpoint tensor
+        new_param(layer, "weight_packed", (num_embeddings, embedding_dim // self.pack_factor), torch.int32,
+                  weight_loader=rows)
+        new_param(layer, "weight_scale", (num_embeddings, groups), params_dtype, weight_loader=rows,
+                  dummy_init=_positive_init)
+        shape = (layer.num_embeddings, embedding_dim)
+        new_param(layer, "weight_shape", (2,), torch.int64, weight_loader=_shape_loader(layer.prefix, shape),
+                  dummy_init=_shape_init(*shape))
+        if not self.symmetric:
+            new_param(layer, "weight_zero_point", (num_embeddings, groups), torch.int32,
+                      weight_loader=self._zero_point_loader(layer), dummy_init=_int_range_init(self.bits))
+
+    def _zero_point_loader(self, layer: nn.Module):
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+            layer.weight_loader(param, unpack_rows(loaded.to(torch.int32), self.bits, layer.num_embeddings))
+        return load
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        del layer._parameters["weight_shape"]  # checked by its loader; nothing reads it after
+
+    def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids [...]`` (this rank's rows) ``-> [..., embedding_dim]`` in the layer's dtype."""
+        flat = input_ids.reshape(-1)
+        scales = layer.weight_scale.index_select(0, flat)  # [T, groups]
+        q = unpack_cols(layer.weight_packed.index_select(0, flat), self.bits)  # [T, dim] unsigned
+        q = q.view(flat.shape[0], scales.shape[1], -1)
+        zero = (layer.weight_zero_point.index_select(0, flat).unsqueeze(-1) if not self.symmetric
+                else 1 << (self.bits - 1))
+        rows = (q - zero).to(scales.dtype) * scales.unsqueeze(-1)
+        return rows.reshape(*input_ids.shape, -1).to(layer.params_dtype)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        raise TypeError(f"{layer.prefix}: a packed embedding table computes no logits (computes_logits)")
+
+
+def _shape_loader(prefix: str, shape: tuple[int, int]):
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if tuple(int(v) for v in loaded.reshape(-1).tolist()) != shape:
+            raise ValueError(f"{prefix}: checkpoint weight_shape {loaded.tolist()}, the model's table is {list(shape)}")
+        param.data.copy_(loaded)
+    return load
+
+
+def _positive_init(param: torch.Tensor, gen: torch.Generator) -> None:
+    values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+    param.data.copy_(values.uniform_(1e-4, 2e-3, generator=gen))
+
+
+def _int_range_init(bits: int):
+    def init(param: torch.Tensor, gen: torch.Generator) -> None:
+        param.data.copy_(torch.randint(0, 1 << bits, param.shape, generator=gen, device=param.device,
+                                       dtype=torch.int32))
+    return init
+
+
 def _shape_init(out: int, inp: int):
     def init(param: torch.Tensor, gen: torch.Generator) -> None:
         param.data.copy_(torch.tensor([out, inp]))
@@ -127,11 +210,16 @@ class CompressedTensorsConfig(QuantizationConfig):
         self.ignore = list(ignore)
         self.global_format = global_format
         self.kv_cache_scheme = kv_cache_scheme
+        #: set when a model's embedding takes a packed method (describe() reports it)
+        self.embedding_quantized = False
         for name, group in config_groups.items():
             self._check_group(name, group)
         # NOTE: a group targeting "Linear" covers the head too unless the ignore list holds it
         # (llm-compressor's presets do); then the head is quantized like the other layers
         self.lm_head_quantized = self._group_of("lm_head") is not None
+        # NOTE: compressed-tensors quantizes the nn.Embedding modules its targets name (the class
+        # name "Embedding", or a module-name pattern), as it does linear layers
+        self.quantizes_embeddings = any(t != "Linear" for g in config_groups.values() for t in g.get("targets") or [])
 
     @classmethod
     def get_name(cls) -> str:
@@ -223,22 +311,27 @@ class CompressedTensorsConfig(QuantizationConfig):
             raise ValueError(f"config_groups.{name}: block-wise FP8 weights need dynamic float8 activations per "
                              f"group of {block[1]} (the FP8_BLOCK preset); got input_activations={acts!r}")
 
-    def _group_of(self, name: str) -> tuple[str, dict[str, Any]] | None:
-        """The config group whose targets match module ``name`` (a target ``"Linear"`` matches every
-        linear layer), or None when the module is ignored or matched by no group."""
+    def _group_of(self, name: str, module_type: str = "Linear") -> tuple[str, dict[str, Any]] | None:
+        """The config group whose targets match module ``name`` of class ``module_type`` (a target
+        naming the class matches every such module), or None when the module is ignored or matched
+        by no group."""
         if any(matches_module_name(name, p) for p in self.ignore):
             return None
         for key, group in self.config_groups.items():
             for target in group.get("targets") or []:
-                if target == "Linear" or matches_module_name(name, target):
+                if target == module_type or (target not in ("Linear", "Embedding")
+                                             and matches_module_name(name, target)):
                     return key, group
         return None
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> Any:
         from pagedlm.core.layers.fused_moe.layer import FusedMoE
+        from pagedlm.core.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
         if isinstance(layer, FusedMoE):
             return self._moe_method(prefix)
+        if isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead):
+            return self._embedding_method(prefix)
         found = {part: self._group_of(part) for part in shard_names(prefix, self.packed_modules_mapping)}
         keys = {None if g is None else g[0] for g in found.values()}
         if len(keys) > 1:
@@ -265,6 +358,20 @@ class CompressedTensorsConfig(QuantizationConfig):
             return CompressedTensorsW8A16Int(bits=8, group_size=-1, symmetric=True)
         return W8A8LinearMethod(kind=kind, per_channel=strategy == "channel",
                                 static_input=bool(acts) and not acts.get("dynamic"), act_quant=acts is not None)
+
+    def _embedding_method(self, prefix: str) -> CompressedTensorsEmbeddingMethod | None:
+        match = self._group_of(prefix, "Embedding")
+        if match is None:
+            return None
+        name, group = match
+        weights = group["weights"]
+        if self._format(group) != "pack-quantized" or weights.get("actorder") == "group":
+            raise ValueError(f"{prefix}: a {self._format(group)} embedding table (config_groups.{name}) is not "
+                             "supported; supported for embeddings: pack-quantized int4/int8 without act-order")
+        self.embedding_quantized = True
+        return CompressedTensorsEmbeddingMethod(
+            bits=int(weights["num_bits"]), symmetric=bool(weights.get("symmetric", True)),
+            group_size=int(weights["group_size"]) if weights.get("strategy") == "group" else -1)
 
     def _moe_method(self, prefix: str) -> Any:
         """The experts' method: the group of their projections' module names (Qwen's
@@ -304,4 +411,5 @@ class CompressedTensorsConfig(QuantizationConfig):
         schemes = sorted({f"{self._format(g)}:{g['weights'].get('type')}{g['weights'].get('num_bits')}"
                           for g in self.config_groups.values()})
         head = ", lm_head quantized" if self.lm_head_quantized else ""
-        return f"compressed-tensors ({', '.join(schemes)}{head})"
+        embedding = ", embedding quantized" if self.embedding_quantized else ""
+        return f"compressed-tensors ({', '.join(schemes)}{head}{embedding})"
