@@ -49,7 +49,9 @@ def _quantize_rows_kernel(
             k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, 0) / DIVISOR, 1e-12)
+        # NOTE: div_rn for the scale too: ``/`` is approximate on the GPU, and a scale one ulp off
+        # the reference's moves values across rounding steps (block FP8's group scales, H100)
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), DIVISOR), 1e-12)
     tl.store(scale_ptr + row, scale)
     # NOTE: the second pass re-reads the row (from L1/L2: a row is at most a few tens of KiB)
     for k0 in range(0, K, BLOCK_K):
