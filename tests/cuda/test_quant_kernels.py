@@ -140,10 +140,11 @@ def test_fp8_scaled_mm_matches_reference(static, m, n, k, dtype, device):
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("m, k", [(1, 128), (7, 4100), (300, 96)] if INTERPRET
-                         else [(1, 4096), (7, 14336), (300, 4100)])
+@pytest.mark.parametrize("m, k", [(1, 128), (7, 4100), (300, 96), (2, 16500)] if INTERPRET
+                         else [(1, 4096), (7, 14336), (300, 4100), (2, 16500)])
 def test_quantize_rows_matches_core_reference(dtype, static, m, k, device):
-    """One launch per token row: the scale bit for bit, the values as core's reference."""
+    """One launch per token row: the scale bit for bit, the values as core's reference (rows up
+    to ONE_PASS_MAX_K values in one pass, longer ones in two)."""
     from pagedlm.backends.cuda.kernels.quant_act import quantize_rows
     from pagedlm.core.layers.quantization.utils import quantize_fp8_per_token, quantize_int8_per_token
 

@@ -202,19 +202,30 @@ def _int4_fields(words, BIAS: tl.constexpr, ASM: tl.constexpr):
                                              dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
         return tl.inline_asm_elementwise(_UNPACK_INT4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
                                          dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
-    return (((words & 15) - BIAS).to(tl.float32), (((words >> 4) & 15) - BIAS).to(tl.float32),
-            (((words >> 8) & 15) - BIAS).to(tl.float32), (((words >> 12) & 15) - BIAS).to(tl.float32),
-            (((words >> 16) & 15) - BIAS).to(tl.float32), (((words >> 20) & 15) - BIAS).to(tl.float32),
-            (((words >> 24) & 15) - BIAS).to(tl.float32), (((words >> 28) & 15) - BIAS).to(tl.float32))
+    # NOTE: through float32: the interpreter converts integers to bfloat16 wrongly
+    return (_field_bf16(words, 0, BIAS), _field_bf16(words, 4, BIAS), _field_bf16(words, 8, BIAS),
+            _field_bf16(words, 12, BIAS), _field_bf16(words, 16, BIAS), _field_bf16(words, 20, BIAS),
+            _field_bf16(words, 24, BIAS), _field_bf16(words, 28, BIAS))
+
+
+@triton.jit
+def _field_bf16(words, SHIFT: tl.constexpr, BIAS: tl.constexpr):
+    return (((words >> SHIFT) & 15) - BIAS).to(tl.float32).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot_input(q, ASM: tl.constexpr):
+    """A field tile as the dots take it: bfloat16 on the GPU; float32 (the same values) under the
+    interpreter, whose bfloat16 dots are wrong."""
+    if ASM:
+        return q
+    return q.to(tl.float32)
 
 
 @triton.jit
 def _x_field(x_base, f, mask, ASM: tl.constexpr):
-    """``[16, KW]`` activations of field ``f`` of each word row, in the dots' input type."""
-    x = tl.load(x_base + f, mask=mask, other=0.0)
-    if ASM:
-        return x.to(tl.bfloat16)
-    return x.to(tl.float32)
+    """``[16, KW]`` activations of field ``f`` of each word row, as the dots take them."""
+    return _dot_input(tl.load(x_base + f, mask=mask, other=0.0).to(tl.bfloat16), ASM)
 
 
 @triton.jit
@@ -250,21 +261,21 @@ def _gemv_tc_kernel(
         x_base = x_ptr + rm[:, None] * stride_xm + (kw * 8)[None, :]
         x_mask = m_ok[:, None] & w_ok[None, :]
         x0 = _x_field(x_base, 0, x_mask, ASM)
-        part = tl.dot(x0, q0)
+        part = tl.dot(x0, _dot_input(q0, ASM))
         x1 = _x_field(x_base, 1, x_mask, ASM)
-        part = tl.dot(x1, q1, part)
+        part = tl.dot(x1, _dot_input(q1, ASM), part)
         x2 = _x_field(x_base, 2, x_mask, ASM)
-        part = tl.dot(x2, q2, part)
+        part = tl.dot(x2, _dot_input(q2, ASM), part)
         x3 = _x_field(x_base, 3, x_mask, ASM)
-        part = tl.dot(x3, q3, part)
+        part = tl.dot(x3, _dot_input(q3, ASM), part)
         x4 = _x_field(x_base, 4, x_mask, ASM)
-        part = tl.dot(x4, q4, part)
+        part = tl.dot(x4, _dot_input(q4, ASM), part)
         x5 = _x_field(x_base, 5, x_mask, ASM)
-        part = tl.dot(x5, q5, part)
+        part = tl.dot(x5, _dot_input(q5, ASM), part)
         x6 = _x_field(x_base, 6, x_mask, ASM)
-        part = tl.dot(x6, q6, part)
+        part = tl.dot(x6, _dot_input(q6, ASM), part)
         x7 = _x_field(x_base, 7, x_mask, ASM)
-        part = tl.dot(x7, q7, part)
+        part = tl.dot(x7, _dot_input(q7, ASM), part)
         g = k0 // group_size
         s = tl.load(s_ptr + g * N + rn, mask=n_ok, other=0.0).to(tl.float32)
         if HAS_ZEROS:
