@@ -19,7 +19,8 @@ in all) so they are read from HBM, not from the 50 MiB L2. ``GB/s`` is the op's 
 
 ``--sweep-gemv`` instead times the decode matrix-vector kernel (W4A16 group 128, one row) at
 each shape over its tuning grid (columns per program, word rows per step, programs per SM,
-warps, pipeline stages) and prints the best setting per shape next to the default's.
+warps, pipeline stages), and the tensor-core variant (``tensor_cores=True``) over its own, and
+prints the best setting per shape next to the default's.
 """
 
 from __future__ import annotations
@@ -125,8 +126,17 @@ def sweep_gemv(dev: torch.device, gen: torch.Generator) -> None:
                 continue
             t, _ = time_cycled(lambda w, x=x, s=s, a=tuning: wna16_gemv(x, w, s, None, None, 4, 128, **a), qw, size)
             timings.append((t, tuning))
+        # the tensor-core kernel (wna16_gemv(tensor_cores=True)): its own tiling keywords
+        for block_n, kw, programs_per_sm, num_warps in itertools.product((64, 128), (16, 32), (4, 8), (4, 8)):
+            tuning = dict(tensor_cores=True, block_n=block_n, kw=kw, programs_per_sm=programs_per_sm,
+                          num_warps=num_warps)
+            if rel_err(wna16_gemv(x, qw, s, None, None, 4, 128, **tuning), ref) > 2e-2:
+                print(f"  {name}: {tuning} is WRONG")
+                continue
+            t, _ = time_cycled(lambda w, x=x, s=s, a=tuning: wna16_gemv(x, w, s, None, None, 4, 128, **a), qw, size)
+            timings.append((t, tuning))
         default = next(t for t, c in timings
-                       if c == dict(block_n=128, cells=16, programs_per_sm=4, num_warps=4, num_stages=3))
+                       if c == dict(block_n=64, cells=32, programs_per_sm=8, num_warps=4, num_stages=1))
         timings.sort(key=lambda item: item[0])
         print(f"{name} N={n} K={k}: default {default * 1e3:.1f} us ({size / default / 1e6:.0f} GB/s); best:")
         for t, tuning in timings[:3]:

@@ -23,6 +23,13 @@ weights, so the kernel is built to stream them:
   counter. :func:`split_k_counters` holds the counters: zeroed once per device, and every launch
   leaves them zero, so no memset runs per call.
 
+``tensor_cores=True`` selects a second kernel for 4-bit weights under bfloat16 rows
+(:func:`tensor_core_gemv_applies`): the packed words become bfloat16 field tiles three
+instructions per two values (one LOP3 puts a field of each half-word into the mantissa of
+bfloat16 128, one packed FMA removes the bias) and each step is eight ``[16, KW] x [KW, N]``
+tensor-core dots, the group scale applied once per output. It is a tuning option
+(``bench_quant.py --sweep-gemv`` times it) until a GPU run shows it faster than the FMA kernel.
+
 Both kernels of ``quant_gemm`` use :func:`split_k_store` for their split-K epilogue.
 
 NOTE: CUDA-graph safe: no host synchronisation, a grid that depends on the shapes only, and the
