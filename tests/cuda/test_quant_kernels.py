@@ -89,8 +89,6 @@ def test_wna16_gemv_on_tensor_cores(group, zeros, m, n, k, device):
     from pagedlm.backends.cuda.kernels import wna16_gemv
 
     g = k if group == -1 else group
-    if k % g:
-        pytest.skip("K is not a whole number of groups")
     x, qw, s, z, _ = _wna16_inputs(m, n, k, 4, g, zeros, False, torch.bfloat16, device)
     assert wna16_gemv.tensor_core_gemv_applies(x, 4, g, None, k)
     out = wna16_gemv.wna16_gemv(x, qw, s, z, None, 4, g, tensor_cores=True)
@@ -140,11 +138,10 @@ def test_fp8_scaled_mm_matches_reference(static, m, n, k, dtype, device):
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("m, k", [(1, 128), (7, 4100), (300, 96), (2, 16500)] if INTERPRET
-                         else [(1, 4096), (7, 14336), (300, 4100), (2, 16500)])
+@pytest.mark.parametrize("m, k", [(1, 128), (7, 4100), (300, 96)] if INTERPRET
+                         else [(1, 4096), (7, 14336), (300, 4100)])
 def test_quantize_rows_matches_core_reference(dtype, static, m, k, device):
-    """One launch per token row: the scale bit for bit, the values as core's reference (rows up
-    to ONE_PASS_MAX_K values in one pass, longer ones in two)."""
+    """One launch per token row: the scale bit for bit, the values as core's reference."""
     from pagedlm.backends.cuda.kernels.quant_act import quantize_rows
     from pagedlm.core.layers.quantization.utils import quantize_fp8_per_token, quantize_int8_per_token
 

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from pagedlm.backends.cuda.kernels.launch import launch, pdl_options, pdl_wait
 
-__all__ = ["FP8_MAX", "INT8_SCALE_DIVISOR", "ONE_PASS_MAX_K", "int8_dequant_epilogue", "quantize_rows"]
+__all__ = ["FP8_MAX", "INT8_SCALE_DIVISOR", "int8_dequant_epilogue", "quantize_rows"]
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 INT8_SCALE_DIVISOR = 127.5  # core's convention (compressed-tensors'): see the op contract
@@ -33,55 +33,34 @@ _RNE_MAGIC = tl.constexpr(12582912.0)
 def _quantize_rows_kernel(
     x_ptr, q_ptr, scale_ptr, static_scale_ptr, K, stride_xm, stride_qm,
     QMIN: tl.constexpr, QMAX: tl.constexpr, DIVISOR: tl.constexpr, STATIC: tl.constexpr,
-    ROUND: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr,
+    ROUND: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program ``row``: ``scale = max(amax(|x_row|) / DIVISOR, 1e-12)`` (or the static one) into
-    ``scale_ptr[row]``; ``q_row = clamp(x_row / scale, QMIN, QMAX)`` (rounded when ``ROUND``).
-    ``ONE_PASS`` (``K <= BLOCK_K``): the row is loaded once and stays in registers."""
+    ``scale_ptr[row]``; ``q_row = clamp(x_row / scale, QMIN, QMAX)`` (rounded when ``ROUND``)."""
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * stride_qm
-    if ONE_PASS:
-        k = tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-        if STATIC:
-            scale = tl.load(static_scale_ptr)
-        else:
-            # NOTE: div_rn, not ``/`` (an approximate division on the GPU): the scale and the
-            # quotients are the reference's IEEE ones (a GPU run found int8 values one step off
-            # for K > 4096, and block FP8's group scales one ulp off)
-            scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), DIVISOR), 1e-12)
-        tl.store(scale_ptr + row, scale)
-        _store_quantized(q_row, k, K, tl.math.div_rn(x, scale), QMIN, QMAX, ROUND)
+    if STATIC:
+        scale = tl.load(static_scale_ptr)
     else:
-        if STATIC:
-            scale = tl.load(static_scale_ptr)
-        else:
-            amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.abs(x))
-            scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), DIVISOR), 1e-12)
-        tl.store(scale_ptr + row, scale)
-        # the second pass re-reads the row (from L2: a row is at most a few hundred KiB)
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            v = tl.math.div_rn(tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32), scale)
-            _store_quantized(q_row, k, K, v, QMIN, QMAX, ROUND)
-
-
-@triton.jit
-def _store_quantized(q_row, k, K, v, QMIN: tl.constexpr, QMAX: tl.constexpr, ROUND: tl.constexpr):
-    v = tl.minimum(tl.maximum(v, QMIN), QMAX)
-    if ROUND:  # clamped to integer bounds first, so rounding cannot leave them
-        v = (v + _RNE_MAGIC) - _RNE_MAGIC
-    tl.store(q_row + k, v.to(q_row.dtype.element_ty), mask=k < K)
-
-
-#: rows up to this many values are quantized in one pass from registers (16 warps: 32 a thread)
-ONE_PASS_MAX_K = 16384
+            x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, 0) / DIVISOR, 1e-12)
+    tl.store(scale_ptr + row, scale)
+    # NOTE: the second pass re-reads the row (from L1/L2: a row is at most a few tens of KiB)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        # NOTE: div_rn, not ``/`` (an approximate division on the GPU): int8 rounding must see
+        # the reference's IEEE quotient (a GPU run found values one step off for K > 4096)
+        v = tl.math.div_rn(tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32), scale)
+        v = tl.minimum(tl.maximum(v, QMIN), QMAX)
+        if ROUND:  # clamped to integer bounds first, so rounding cannot leave them
+            v = (v + _RNE_MAGIC) - _RNE_MAGIC
+        tl.store(q_row + k, v.to(q_ptr.dtype.element_ty), mask=k < K)
 
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype, static_scale: torch.Tensor | None,
@@ -104,16 +83,11 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype, static_scale: torch.Tenso
         qmin, qmax, divisor = -128.0, 127.0, INT8_SCALE_DIVISOR
     else:
         qmin, qmax, divisor = -FP8_MAX, FP8_MAX, FP8_MAX
-    # NOTE: one pass (the row in registers) where it fits: the two-pass loop's dependent loads
-    # made each decode-sized launch latency-bound, 14 % of an FP8 throughput run's device time
-    # (256 rows; H100, 2026-12-06)
-    one_pass = k <= ONE_PASS_MAX_K
-    block_k = triton.next_power_of_2(k) if one_pass else 4096
-    num_warps = min(16, max(4, block_k // 512))
+    block_k = min(triton.next_power_of_2(k), 4096)
     launch(_quantize_rows_kernel, (m,),
            x, x_q, scale, static_scale if static_scale is not None else scale, k, x.stride(0), x_q.stride(0),
            QMIN=qmin, QMAX=qmax, DIVISOR=divisor, STATIC=static_scale is not None, ROUND=dtype == torch.int8,
-           BLOCK_K=block_k, ONE_PASS=one_pass, num_warps=num_warps, **pdl_options(x.device))
+           BLOCK_K=block_k, num_warps=4 if block_k <= 2048 else 8, **pdl_options(x.device))
     return x_q, scale
 
 

@@ -221,18 +221,9 @@ def _field_bf16(words, SHIFT: tl.constexpr, BIAS: tl.constexpr):
 
 
 @triton.jit
-def _dot_input(q, ASM: tl.constexpr):
-    """A field tile as the dots take it: bfloat16 on the GPU; float32 (the same values) under the
-    interpreter, whose bfloat16 dots are wrong."""
-    if ASM:
-        return q
-    return q.to(tl.float32)
-
-
-@triton.jit
-def _x_field(x_base, f, mask, ASM: tl.constexpr):
+def _x_field(x_base, f, mask, DOT_DTYPE: tl.constexpr):
     """``[16, KW]`` activations of field ``f`` of each word row, as the dots take them."""
-    return _dot_input(tl.load(x_base + f, mask=mask, other=0.0).to(tl.bfloat16), ASM)
+    return tl.load(x_base + f, mask=mask, other=0.0).to(tl.bfloat16).to(DOT_DTYPE)
 
 
 @triton.jit
@@ -240,7 +231,7 @@ def _gemv_tc_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_om, group_size, k_per_split,
     HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, KW: tl.constexpr,
-    ASM: tl.constexpr, USE_PDL: tl.constexpr,
+    ASM: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program ``(n, split)`` of the 4-bit GEMV on the tensor cores: each step of ``KW`` word rows
     (``8 * KW`` values of K, within one group) is eight ``[16, KW] x [KW, BLOCK_N]`` bfloat16
@@ -267,22 +258,22 @@ def _gemv_tc_kernel(
             q0, q1, q2, q3, q4, q5, q6, q7 = _int4_fields(words, 8, ASM)
         x_base = x_ptr + rm[:, None] * stride_xm + (kw * 8)[None, :]
         x_mask = m_ok[:, None] & w_ok[None, :]
-        x0 = _x_field(x_base, 0, x_mask, ASM)
-        part = tl.dot(x0, _dot_input(q0, ASM))
-        x1 = _x_field(x_base, 1, x_mask, ASM)
-        part = tl.dot(x1, _dot_input(q1, ASM), part)
-        x2 = _x_field(x_base, 2, x_mask, ASM)
-        part = tl.dot(x2, _dot_input(q2, ASM), part)
-        x3 = _x_field(x_base, 3, x_mask, ASM)
-        part = tl.dot(x3, _dot_input(q3, ASM), part)
-        x4 = _x_field(x_base, 4, x_mask, ASM)
-        part = tl.dot(x4, _dot_input(q4, ASM), part)
-        x5 = _x_field(x_base, 5, x_mask, ASM)
-        part = tl.dot(x5, _dot_input(q5, ASM), part)
-        x6 = _x_field(x_base, 6, x_mask, ASM)
-        part = tl.dot(x6, _dot_input(q6, ASM), part)
-        x7 = _x_field(x_base, 7, x_mask, ASM)
-        part = tl.dot(x7, _dot_input(q7, ASM), part)
+        x0 = _x_field(x_base, 0, x_mask, DOT_DTYPE)
+        part = tl.dot(x0, q0.to(DOT_DTYPE))
+        x1 = _x_field(x_base, 1, x_mask, DOT_DTYPE)
+        part = tl.dot(x1, q1.to(DOT_DTYPE), part)
+        x2 = _x_field(x_base, 2, x_mask, DOT_DTYPE)
+        part = tl.dot(x2, q2.to(DOT_DTYPE), part)
+        x3 = _x_field(x_base, 3, x_mask, DOT_DTYPE)
+        part = tl.dot(x3, q3.to(DOT_DTYPE), part)
+        x4 = _x_field(x_base, 4, x_mask, DOT_DTYPE)
+        part = tl.dot(x4, q4.to(DOT_DTYPE), part)
+        x5 = _x_field(x_base, 5, x_mask, DOT_DTYPE)
+        part = tl.dot(x5, q5.to(DOT_DTYPE), part)
+        x6 = _x_field(x_base, 6, x_mask, DOT_DTYPE)
+        part = tl.dot(x6, q6.to(DOT_DTYPE), part)
+        x7 = _x_field(x_base, 7, x_mask, DOT_DTYPE)
+        part = tl.dot(x7, q7.to(DOT_DTYPE), part)
         g = k0 // group_size
         s = tl.load(s_ptr + g * N + rn, mask=n_ok, other=0.0).to(tl.float32)
         if HAS_ZEROS:
@@ -378,10 +369,13 @@ def _wna16_gemv_tc(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         k_per_split, split = k, 1
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    on_gpu = x.device.type == "cuda"
     launch(_gemv_tc_kernel, (tiles, split),
            x, qweight, scales, zeros if zeros is not None else scales, out, part,
            counters if counters is not None else qweight,
            m, n, k, x.stride(0), out.stride(0), group_size, k_per_split,
-           HAS_ZEROS=zeros is not None, SPLIT_K=split, BLOCK_N=block_n, KW=kw, ASM=x.device.type == "cuda",
-           num_warps=num_warps, **pdl_options(x.device))
+           HAS_ZEROS=zeros is not None, SPLIT_K=split, BLOCK_N=block_n, KW=kw, ASM=on_gpu,
+           # NOTE: the interpreter's bfloat16 dots are wrong: there the same values go in as float32
+           # (a constexpr type, not a branch: Triton's compiler wants one return type per helper)
+           DOT_DTYPE=tl.bfloat16 if on_gpu else tl.float32, num_warps=num_warps, **pdl_options(x.device))
     return out
