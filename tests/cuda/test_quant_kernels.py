@@ -117,7 +117,9 @@ def test_wna16_rows_1_to_300_and_split_k_counters_stay_zero(device):
 @pytest.mark.parametrize("m, n, k", SHAPES)
 def test_fp8_scaled_mm_matches_reference(static, m, n, k, dtype, device):
     """bf16 within bf16 rounding; float32 (the HF-parity configuration) without a bf16 output
-    rounding: within float32 summation-order noise on a GPU."""
+    rounding: within the FP8 tensor cores' accumulation on a GPU (Hopper's FP8 MMAs keep fewer
+    bits than float32 between cuBLASLt's promotions: 1.6e-5 of the range at 300 x 2048 x 4096,
+    H100, 2026-12-06; the bound is 1e-4)."""
     from pagedlm.backends.cuda.kernels.quant_gemm import fp8_scaled_mm
 
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
@@ -132,7 +134,7 @@ def test_fp8_scaled_mm_matches_reference(static, m, n, k, dtype, device):
     ref = fp8_scaled_mm_ref(x, w, ws, xs, bias)
     assert out.dtype == dtype
     # (the interpreter's float8 cast rounds some values wrongly, so it keeps the looser bound)
-    tol = 1e-5 if dtype == torch.float32 and not INTERPRET else 2e-2
+    tol = 1e-4 if dtype == torch.float32 and not INTERPRET else 2e-2
     torch.testing.assert_close(out.float(), ref.float(), atol=tol * ref.float().abs().max().item(), rtol=tol)
 
 
