@@ -116,20 +116,14 @@ def sweep_gemv(dev: torch.device, gen: torch.Generator) -> None:
         s = (torch.rand(k // 128, n, device=dev, generator=gen) * 0.01 + 1e-3).to(torch.bfloat16)
         ref = wna16_gemm_ref(x.float(), qw, s.float(), None, None, 4, 128)
         size = nbytes(qw, s)
+        fma = itertools.product((64, 128, 256), (8, 16, 32), (2, 4, 8), (4,), (1, 3))
+        # the tensor-core kernel (wna16_gemv(tensor_cores=True)) has its own tiling keywords
+        tensor_cores = itertools.product((64, 128), (16, 32), (4, 8), (4, 8))
+        grid = [dict(block_n=b, cells=c, programs_per_sm=p, num_warps=w, num_stages=st) for b, c, p, w, st in fma]
+        grid += [dict(tensor_cores=True, block_n=b, kw=kw, programs_per_sm=p, num_warps=w)
+                 for b, kw, p, w in tensor_cores]
         timings = []
-        grid = itertools.product((64, 128, 256), (8, 16, 32), (2, 4, 8), (4,), (1, 3))
-        for block_n, cells, programs_per_sm, num_warps, num_stages in grid:
-            tuning = dict(block_n=block_n, cells=cells, programs_per_sm=programs_per_sm, num_warps=num_warps,
-                          num_stages=num_stages)
-            if rel_err(wna16_gemv(x, qw, s, None, None, 4, 128, **tuning), ref) > 2e-2:
-                print(f"  {name}: {tuning} is WRONG")
-                continue
-            t, _ = time_cycled(lambda w, x=x, s=s, a=tuning: wna16_gemv(x, w, s, None, None, 4, 128, **a), qw, size)
-            timings.append((t, tuning))
-        # the tensor-core kernel (wna16_gemv(tensor_cores=True)): its own tiling keywords
-        for block_n, kw, programs_per_sm, num_warps in itertools.product((64, 128), (16, 32), (4, 8), (4, 8)):
-            tuning = dict(tensor_cores=True, block_n=block_n, kw=kw, programs_per_sm=programs_per_sm,
-                          num_warps=num_warps)
+        for tuning in grid:
             if rel_err(wna16_gemv(x, qw, s, None, None, 4, 128, **tuning), ref) > 2e-2:
                 print(f"  {name}: {tuning} is WRONG")
                 continue

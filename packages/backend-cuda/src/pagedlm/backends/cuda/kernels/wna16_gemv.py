@@ -253,33 +253,22 @@ def _gemv_tc_kernel(
         w_ok = kw < k_end // 8
         words = tl.load(qw_ptr + kw[:, None] * N + rn[None, :], mask=w_ok[:, None] & n_ok[None, :], other=0)
         if HAS_ZEROS:
-            q0, q1, q2, q3, q4, q5, q6, q7 = _int4_fields(words, 0, ASM)
+            fields = _int4_fields(words, 0, ASM)
         else:
-            q0, q1, q2, q3, q4, q5, q6, q7 = _int4_fields(words, 8, ASM)
+            fields = _int4_fields(words, 8, ASM)
         x_base = x_ptr + rm[:, None] * stride_xm + (kw * 8)[None, :]
         x_mask = m_ok[:, None] & w_ok[None, :]
-        x0 = _x_field(x_base, 0, x_mask, DOT_DTYPE)
-        part = tl.dot(x0, q0.to(DOT_DTYPE))
-        x1 = _x_field(x_base, 1, x_mask, DOT_DTYPE)
-        part = tl.dot(x1, q1.to(DOT_DTYPE), part)
-        x2 = _x_field(x_base, 2, x_mask, DOT_DTYPE)
-        part = tl.dot(x2, q2.to(DOT_DTYPE), part)
-        x3 = _x_field(x_base, 3, x_mask, DOT_DTYPE)
-        part = tl.dot(x3, q3.to(DOT_DTYPE), part)
-        x4 = _x_field(x_base, 4, x_mask, DOT_DTYPE)
-        part = tl.dot(x4, q4.to(DOT_DTYPE), part)
-        x5 = _x_field(x_base, 5, x_mask, DOT_DTYPE)
-        part = tl.dot(x5, q5.to(DOT_DTYPE), part)
-        x6 = _x_field(x_base, 6, x_mask, DOT_DTYPE)
-        part = tl.dot(x6, q6.to(DOT_DTYPE), part)
-        x7 = _x_field(x_base, 7, x_mask, DOT_DTYPE)
-        part = tl.dot(x7, q7.to(DOT_DTYPE), part)
+        part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+        x_sum = tl.zeros((16,), dtype=tl.float32)
+        for f in tl.static_range(8):
+            x = _x_field(x_base, f, x_mask, DOT_DTYPE)
+            part = tl.dot(x, fields[f].to(DOT_DTYPE), part)
+            if HAS_ZEROS:
+                x_sum += tl.sum(x.to(tl.float32), 1)
         g = k0 // group_size
         s = tl.load(s_ptr + g * N + rn, mask=n_ok, other=0.0).to(tl.float32)
         if HAS_ZEROS:
             z = tl.load(z_ptr + g * N + rn, mask=n_ok, other=0).to(tl.float32)
-            x_sum = tl.sum((x0.to(tl.float32) + x1.to(tl.float32) + x2.to(tl.float32) + x3.to(tl.float32)
-                            + x4.to(tl.float32) + x5.to(tl.float32) + x6.to(tl.float32) + x7.to(tl.float32)), 1)
             part -= x_sum[:, None] * z[None, :]
         acc += part * s[None, :]
     split_k_store(acc, out_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_om, pid_n, pid_k, SPLIT_K)
