@@ -44,6 +44,7 @@ from pagedlm.core.layers.quantization.schemes import (
     W8A8LinearMethod,
     WNA16LinearMethod,
     block_size_of,
+    dummy_positive,
     new_param,
     same_for_every_shard,
 )
@@ -138,7 +139,7 @@ class CompressedTensorsEmbeddingMethod(QuantizeMethodBase):
         new_param(layer, "weight_packed", (num_embeddings, embedding_dim // self.pack_factor), torch.int32,
                   weight_loader=rows)
         new_param(layer, "weight_scale", (num_embeddings, groups), params_dtype, weight_loader=rows,
-                  dummy_init=_positive_init)
+                  dummy_init=dummy_positive)
         shape = (layer.num_embeddings, embedding_dim)
         new_param(layer, "weight_shape", (2,), torch.int64, weight_loader=_shape_loader(layer.prefix, shape),
                   dummy_init=_shape_init(*shape))
@@ -175,11 +176,6 @@ def _shape_loader(prefix: str, shape: tuple[int, int]):
             raise ValueError(f"{prefix}: checkpoint weight_shape {loaded.tolist()}, the model's table is {list(shape)}")
         param.data.copy_(loaded)
     return load
-
-
-def _positive_init(param: torch.Tensor, gen: torch.Generator) -> None:
-    values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
-    param.data.copy_(values.uniform_(1e-4, 2e-3, generator=gen))
 
 
 def _int_range_init(bits: int):

@@ -27,7 +27,7 @@ import torch
 from pagedlm.core.layers import custom_ops
 from pagedlm.core.layers.fused_moe.layer import FusedMoE, FusedMoEMethodBase
 from pagedlm.core.layers.fused_moe.quantized_reference import fused_experts_fp8, fused_experts_wna16
-from pagedlm.core.layers.quantization.schemes import new_param, replace_params
+from pagedlm.core.layers.quantization.schemes import dummy_positive, new_param, replace_params
 from pagedlm.core.layers.quantization.utils import FP8_DTYPE, FP8_MAX, unpack_cols
 
 __all__ = ["CompressedTensorsWNA16MoEMethod", "Fp8MoEMethod"]
@@ -36,11 +36,6 @@ __all__ = ["CompressedTensorsWNA16MoEMethod", "Fp8MoEMethod"]
 def _dummy_fp8_scale(param: torch.Tensor, gen: torch.Generator) -> None:
     # dummy FP8 weights are U(-1e-3, 1e-3) cast to float8: a scale of 1 keeps them that size
     param.data.fill_(1.0)
-
-
-def _dummy_group_scale(param: torch.Tensor, gen: torch.Generator) -> None:
-    values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
-    param.data.copy_(values.uniform_(1e-4, 2e-3, generator=gen))
 
 
 def _zeros_init(param: torch.Tensor, gen: torch.Generator) -> None:
@@ -147,9 +142,9 @@ class CompressedTensorsWNA16MoEMethod(FusedMoEMethodBase):
         new_param(layer, "w13_weight_packed", (e, 2 * n, h // p), torch.int32, weight_loader=loader)
         new_param(layer, "w2_weight_packed", (e, h, n // p), torch.int32, weight_loader=loader)
         new_param(layer, "w13_weight_scale", (e, 2 * n, g13), params_dtype, weight_loader=loader,
-                  dummy_init=_dummy_group_scale)
+                  dummy_init=dummy_positive)
         new_param(layer, "w2_weight_scale", (e, h, g2), params_dtype, weight_loader=loader,
-                  moe_w2_sliced=not per_channel, dummy_init=_dummy_group_scale)
+                  moe_w2_sliced=not per_channel, dummy_init=dummy_positive)
         for name in ("w13_weight_shape", "w2_weight_shape"):  # read and dropped: the layer knows its shapes
             new_param(layer, name, (e, 2), torch.int64, weight_loader=loader, moe_layout="whole",
                       optional_in_checkpoint=True, dummy_init=_zeros_init)

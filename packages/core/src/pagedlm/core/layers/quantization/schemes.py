@@ -30,8 +30,8 @@ from pagedlm.core.layers.quantization.utils import (
     wna16_gemm_ref,
 )
 
-__all__ = ["Fp8BlockLinearMethod", "W8A8LinearMethod", "WNA16LinearMethod", "block_size_of", "new_param",
-           "online_quantized_weight", "replace_params", "same_for_every_shard"]
+__all__ = ["Fp8BlockLinearMethod", "W8A8LinearMethod", "WNA16LinearMethod", "block_size_of", "dummy_positive",
+           "new_param", "online_quantized_weight", "replace_params", "same_for_every_shard"]
 
 WNA16_BITS = (4, 8)
 
@@ -100,7 +100,8 @@ def _dummy_online_scale(param: torch.Tensor, gen: torch.Generator) -> None:
     param.data.fill_(1e-3)
 
 
-def _dummy_positive(param: torch.Tensor, gen: torch.Generator) -> None:
+def dummy_positive(param: torch.Tensor, gen: torch.Generator) -> None:
+    """``dummy_init`` of a scale: uniform in [1e-4, 2e-3], so dummy layers give finite, varied outputs."""
     values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
     param.data.copy_(values.uniform_(1e-4, 2e-3, generator=gen))
 
@@ -204,14 +205,14 @@ class W8A8LinearMethod(LinearMethodBase):
         new_param(layer, "weight", (n, input_size_per_partition), self.weight_dtype, output_dim=0, input_dim=1,
                   **extra_weight_attrs)
         if self.per_channel:
-            new_param(layer, "weight_scale", (n, 1), torch.float32, output_dim=0, dummy_init=_dummy_positive,
+            new_param(layer, "weight_scale", (n, 1), torch.float32, output_dim=0, dummy_init=dummy_positive,
                       **extra_weight_attrs)
         else:
             new_param(layer, "weight_scale", (shards,), torch.float32, shard_scalar=True,
-                      dummy_init=_dummy_positive, **extra_weight_attrs)
+                      dummy_init=dummy_positive, **extra_weight_attrs)
         if self.static_input:
             new_param(layer, "input_scale", (shards,), torch.float32, shard_scalar=True,
-                      dummy_init=_dummy_positive, **extra_weight_attrs)
+                      dummy_init=dummy_positive, **extra_weight_attrs)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         scale = layer.weight_scale.data.float()
@@ -277,7 +278,7 @@ class Fp8BlockLinearMethod(LinearMethodBase):
         n = sum(output_partition_sizes)
         new_param(layer, "weight", (n, k), FP8_DTYPE, output_dim=0, input_dim=1, **extra_weight_attrs)
         new_param(layer, self.scale_name, (n // self.block_n, k // self.block_k), torch.float32, output_dim=0,
-                  input_dim=1, packed_dim=0, packed_factor=self.block_n, dummy_init=_dummy_positive,
+                  input_dim=1, packed_dim=0, packed_factor=self.block_n, dummy_init=dummy_positive,
                   **extra_weight_attrs)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
