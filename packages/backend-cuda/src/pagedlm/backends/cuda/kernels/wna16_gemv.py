@@ -300,16 +300,33 @@ def gemv_config(m: int, n: int, k: int, bits: int, num_sms: int, *, block_n: int
     block_m = triton.next_power_of_2(m)
     block_n = block_n if n >= block_n else max(16, triton.next_power_of_2(n))
     kw = max(1, cells // block_m)
-    step = kw * (32 // bits)
-    tiles = triton.cdiv(n, block_n)
-    split = max(1, min(triton.cdiv(programs_per_sm * num_sms, tiles), k // (2 * step)))
+    k_per_split, split = _split_k(n, k, kw * (32 // bits), block_n, num_sms, programs_per_sm)
+    return block_m, block_n, kw, k_per_split, split
+
+
+def _split_k(n: int, k: int, step: int, block_n: int, num_sms: int, programs_per_sm: int) -> tuple[int, int]:
+    """``(k_per_split, SPLIT_K)``: K split until the grid has about ``programs_per_sm`` programs per
+    SM, each split a whole number of ``step`` values and at least two steps."""
+    split = max(1, min(triton.cdiv(programs_per_sm * num_sms, triton.cdiv(n, block_n)), k // (2 * step)))
     k_per_split = triton.cdiv(triton.cdiv(k, split), step) * step
-    return block_m, block_n, kw, k_per_split, triton.cdiv(k, k_per_split)
+    return k_per_split, triton.cdiv(k, k_per_split)
+
+
+def _split_k_buffers(x: torch.Tensor, n: int, tiles: int, k_per_split: int, split: int):
+    """``(k_per_split, split, counters, out, part)`` for a launch: no split where the counters are
+    not to be had (:func:`split_k_counters`); ``part`` is ``out`` (unused) without a split."""
+    m, k = x.shape
+    counters = split_k_counters(x.device, tiles) if split > 1 else None
+    if split > 1 and counters is None:
+        k_per_split, split = k, 1
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    return k_per_split, split, counters, out, part
 
 
 def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                g_idx: torch.Tensor | None, bits: int, group_size: int, *, num_warps: int = 4,
-               num_stages: int | None = None, tensor_cores: bool | None = None, **tuning: int) -> torch.Tensor:
+               num_stages: int | None = None, tensor_cores: bool = False, **tuning: int) -> torch.Tensor:
     """``wna16_gemm`` for ``x [M <= GEMV_MAX_ROWS, K]`` (contiguous rows): ``[M, N]`` in x's dtype.
     ``num_warps``, ``num_stages`` (default 1; more than 1 with ``g_idx`` would hold ~100 KiB of
     per-value scale gathers in shared memory) and ``tuning`` (:func:`gemv_config`'s
@@ -318,20 +335,14 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     m, k = x.shape
     n = qweight.shape[1]
     pack = 32 // bits
-    if tensor_cores is None:
-        tensor_cores = False
     if tensor_cores and tensor_core_gemv_applies(x, bits, group_size, g_idx, k):
         return _wna16_gemv_tc(x, qweight, scales, zeros, group_size, num_warps=num_warps, **tuning)
     if g_idx is None and group_size % pack:
         raise ValueError(f"group_size={group_size} is not a multiple of the {pack} values of a packed word")
     block_m, block_n, kw, k_per_split, split = gemv_config(m, n, k, bits, _num_sms(x.device), **tuning)
     tiles = triton.cdiv(n, block_n)
-    counters = split_k_counters(x.device, tiles) if split > 1 else None
-    if split > 1 and counters is None:
-        k_per_split, split = k, 1
+    k_per_split, split, counters, out, part = _split_k_buffers(x, n, tiles, k_per_split, split)
     num_stages = 1 if num_stages is None else num_stages
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     launch(_gemv_kernel, (tiles, split),
            x, qweight, scales, zeros if zeros is not None else scales, g_idx if g_idx is not None else qweight,
            out, part, counters if counters is not None else qweight,
@@ -348,16 +359,9 @@ def _wna16_gemv_tc(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """:func:`wna16_gemv` on the tensor cores (:func:`tensor_core_gemv_applies`)."""
     m, k = x.shape
     n = qweight.shape[1]
-    step = 8 * kw
     tiles = triton.cdiv(n, block_n)
-    split = max(1, min(triton.cdiv(programs_per_sm * _num_sms(x.device), tiles), k // (2 * step)))
-    k_per_split = triton.cdiv(triton.cdiv(k, split), step) * step
-    split = triton.cdiv(k, k_per_split)
-    counters = split_k_counters(x.device, tiles) if split > 1 else None
-    if split > 1 and counters is None:
-        k_per_split, split = k, 1
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    k_per_split, split = _split_k(n, k, 8 * kw, block_n, _num_sms(x.device), programs_per_sm)
+    k_per_split, split, counters, out, part = _split_k_buffers(x, n, tiles, k_per_split, split)
     on_gpu = x.device.type == "cuda"
     launch(_gemv_tc_kernel, (tiles, split),
            x, qweight, scales, zeros if zeros is not None else scales, out, part,
