@@ -20,19 +20,18 @@ def _compile_for_sm90(kernel, signature: dict[str, str], constexprs: dict[str, o
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
-@pytest.mark.parametrize("zeros", [False, True])
-def test_tensor_core_gemv_compiles_for_hopper(zeros):
-    """The 4-bit tensor-core GEMV with its inline-PTX unpacking: eight tensor-core dots a step, the
-    fields made by LOP3 and packed bfloat16 FMAs."""
-    import triton.language as tl
+@pytest.mark.parametrize("block_m", [1, 4])
+def test_dense_gemv_prefetches_its_weights_before_the_pdl_wait(block_m):
+    """The bf16 GEMV under PDL asks L2 for its first step's weights (inline PTX: Hopper's bulk
+    prefetch) before it waits for the previous kernel, and only then reads activations."""
+    from pagedlm.backends.cuda.kernels.dense_gemv import _dense_gemv_kernel
 
-    from pagedlm.backends.cuda.kernels.wna16_gemv import _gemv_tc_kernel
-
-    signature = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "out_ptr": "*bf16",
-                 "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
-                 "stride_om": "i32", "group_size": "i32", "k_per_split": "i32"}
-    constexprs = {"HAS_ZEROS": zeros, "SPLIT_K": 4, "BLOCK_N": 64, "KW": 16, "ASM": True, "DOT_DTYPE": tl.bfloat16,
-                  "USE_PDL": True}
+    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
+                 "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
+                 "stride_om": "i32", "k_per_split": "i32"}
+    constexprs = {"HAS_BIAS": False, "SPLIT_K": 2, "EVEN_K": True, "BLOCK_M": block_m, "BLOCK_N": 4,
+                  "BLOCK_K": 1024, "VEC": 8, "NUM_STAGES": 1, "USE_PDL": True, "PREFETCH": True, "THREADS": 128}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    ptx = _compile_for_sm90(_gemv_tc_kernel, signature, constexprs).asm["ptx"]
-    assert ptx.count("mma.sync") >= 8 and ptx.count("fma.rn.bf16x2") >= 4 and "lop3.b32" in ptx
+    ptx = _compile_for_sm90(_dense_gemv_kernel, signature, constexprs).asm["ptx"]
+    assert "cp.async.bulk.prefetch.L2" in ptx and "griddepcontrol.wait" in ptx
+    assert ptx.index("cp.async.bulk.prefetch.L2") < ptx.index("griddepcontrol.wait") < ptx.index("ld.global")

@@ -79,26 +79,6 @@ def test_wna16_gemv_in_half_precision(dtype, device):
     _check_wna16(4, 128, True, False, 1, 128, 512, device, dtype=dtype)
 
 
-@pytest.mark.parametrize("group", [128, 256, -1])
-@pytest.mark.parametrize("zeros", [False, True])
-@pytest.mark.parametrize("m, n, k", [(1, 64, 768), (3, 200, 512), (4, 64, 256)] if INTERPRET
-                         else [(1, 6144, 4096), (1, 28672, 4096), (2, 4096, 14336), (4, 200, 1280)])
-def test_wna16_gemv_on_tensor_cores(group, zeros, m, n, k, device):
-    """The 4-bit GEMV's tensor-core kernel (bfloat16 field tiles, split K, groups of whole steps)
-    against dequantize-then-matmul; it leaves the split-K counters at zero."""
-    from pagedlm.backends.cuda.kernels import wna16_gemv
-
-    g = k if group == -1 else group
-    x, qw, s, z, _ = _wna16_inputs(m, n, k, 4, g, zeros, False, torch.bfloat16, device)
-    assert wna16_gemv.tensor_core_gemv_applies(x, 4, g, None, k)
-    out = wna16_gemv.wna16_gemv(x, qw, s, z, None, 4, g, tensor_cores=True)
-    ref = wna16_gemm_ref(x.float(), qw, s.float(), z, None, 4, g)
-    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
-    torch.testing.assert_close(out.float(), ref, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
-    counters = wna16_gemv._counters.get(device if device.type == "cpu" else torch.device("cuda", device.index or 0))
-    assert counters is None or int(counters.abs().sum()) == 0
-
-
 def test_wna16_rows_1_to_300_and_split_k_counters_stay_zero(device):
     """Every row count takes the kernel its size selects (GEMV, split-K dot, plain dot) and gives
     the reference's result; every split-K launch leaves its tile counters at zero for the next."""

@@ -19,8 +19,7 @@ in all) so they are read from HBM, not from the 50 MiB L2. ``GB/s`` is the op's 
 
 ``--sweep-gemv`` instead times the decode matrix-vector kernel (W4A16 group 128, one row) at
 each shape over its tuning grid (columns per program, word rows per step, programs per SM,
-warps, pipeline stages), and the tensor-core variant (``tensor_cores=True``) over its own, and
-prints the best setting per shape next to the default's.
+warps, pipeline stages) and prints the best setting per shape next to the default's.
 """
 
 from __future__ import annotations
@@ -116,12 +115,8 @@ def sweep_gemv(dev: torch.device, gen: torch.Generator) -> None:
         s = (torch.rand(k // 128, n, device=dev, generator=gen) * 0.01 + 1e-3).to(torch.bfloat16)
         ref = wna16_gemm_ref(x.float(), qw, s.float(), None, None, 4, 128)
         size = nbytes(qw, s)
-        fma = itertools.product((64, 128, 256), (8, 16, 32), (2, 4, 8), (4,), (1, 3))
-        # the tensor-core kernel (wna16_gemv(tensor_cores=True)) has its own tiling keywords
-        tensor_cores = itertools.product((64, 128), (16, 32), (4, 8), (4, 8))
-        grid = [dict(block_n=b, cells=c, programs_per_sm=p, num_warps=w, num_stages=st) for b, c, p, w, st in fma]
-        grid += [dict(tensor_cores=True, block_n=b, kw=kw, programs_per_sm=p, num_warps=w)
-                 for b, kw, p, w in tensor_cores]
+        grid = [dict(block_n=b, cells=c, programs_per_sm=p, num_warps=w, num_stages=st)
+                for b, c, p, w, st in itertools.product((64, 128, 256), (8, 16, 32), (2, 4, 8), (4,), (1, 3))]
         timings = []
         for tuning in grid:
             if rel_err(wna16_gemv(x, qw, s, None, None, 4, 128, **tuning), ref) > 2e-2:

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from pagedlm.backends.cuda.kernels.launch import launch, pdl_options, pdl_wait
+from pagedlm.backends.cuda.kernels.launch import launch, pdl_options, pdl_wait, prefetch_rows_l2
 from pagedlm.backends.cuda.kernels.wna16_gemv import split_k_counters, split_k_store
 
 __all__ = [
@@ -131,25 +131,6 @@ def _load_x(x_row, k, k_ok, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_rows_l2(w_ptr, row0, N, stride_wn, k_start, nbytes, BLOCK_N: tl.constexpr, THREADS: tl.constexpr):
-    """Ask L2 for ``nbytes`` of each weight row ``row0 .. row0 + BLOCK_N - 1`` (clamped to
-    ``N - 1``) from column ``k_start`` (Hopper's bulk prefetch, one instruction a row; nothing
-    waits for it).
-
-    ``THREADS`` is the program's thread count, so each thread holds one element of the index
-    vector and no row is asked for twice. ``nbytes`` must be a multiple of 16 and the rows'
-    addresses 16-byte aligned (the launcher checks)."""
-    t = tl.arange(0, THREADS)
-    row = tl.minimum(row0 + tl.minimum(t, BLOCK_N - 1), N - 1).to(tl.int64)
-    addr = w_ptr + row * stride_wn + k_start
-    size = tl.where(t < BLOCK_N, nbytes, 0)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1,
-    )
-
-
-@triton.jit
 def _dense_gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
@@ -186,7 +167,7 @@ def _dense_gemv_kernel(
         # the first step's tiles stream into L2 while the previous kernel (a norm, the attention's
         # split combine, SiLU-and-mul) finishes
         first = tl.minimum(k_end - k_start, BLOCK_K) * (16 // VEC)  # bytes of the first step
-        _prefetch_rows_l2(w_ptr, pid_n * BLOCK_N, N, stride_wn, k_start, first // 16 * 16, BLOCK_N, THREADS)
+        prefetch_rows_l2(w_ptr, pid_n * BLOCK_N, N - 1, stride_wn, k_start, first // 16 * 16, BLOCK_N, THREADS)
     pdl_wait(USE_PDL)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + rk
@@ -263,6 +244,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     size = x.element_size()
     # the bulk prefetch takes 16-byte aligned rows and split starts
     aligned = weight.data_ptr() % 16 == 0 and weight.stride(0) * size % 16 == 0 and k_per_split * size % 16 == 0
+    aligned = aligned and config.block_n <= 32 * config.num_warps  # a row per thread
     launch(_dense_gemv_kernel, (tiles, split),
            x, weight, bias if bias is not None else weight, out, part, counters if counters is not None else out,
            m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,

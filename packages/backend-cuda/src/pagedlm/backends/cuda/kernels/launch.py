@@ -40,7 +40,7 @@ from triton.runtime import driver
 
 from pagedlm.core.utils.cores import usable_cores
 
-__all__ = ["compile_only", "launch", "pdl_enabled", "pdl_options", "pdl_wait"]
+__all__ = ["compile_only", "launch", "pdl_enabled", "pdl_options", "pdl_wait", "prefetch_rows_l2"]
 
 _COMPILE_ONLY: ContextVar[bool] = ContextVar("pagedlm_triton_compile_only", default=False)
 
@@ -97,6 +97,28 @@ def pdl_wait(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_rows_l2(ptr, row0, last_row, stride, col, nbytes, ROWS: tl.constexpr, THREADS: tl.constexpr):
+    """Ask L2 for ``nbytes`` of each row ``row0 .. min(row0 + ROWS - 1, last_row)`` of the
+    row-major matrix at ``ptr`` (``stride`` elements a row) from element ``col`` (Hopper's bulk
+    prefetch, one instruction a row; nothing waits for it).
+
+    A kernel calls it before :func:`pdl_wait` for weights (constant through a forward), so they
+    stream into L2 while the previous kernel finishes. ``THREADS`` is the program's thread count,
+    so each thread holds one element of the index vector and no row is asked for twice.
+    ``nbytes`` must be a multiple of 16 and the rows' addresses 16-byte aligned (the launchers
+    check)."""
+    tl.static_assert(ROWS <= THREADS)
+    t = tl.arange(0, THREADS)
+    row = tl.minimum(row0 + t, last_row).to(tl.int64)
+    addr = ptr + row * stride + col
+    size = tl.where((t < ROWS) & (row0 + t <= last_row), nbytes, 0)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1,
+    )
 
 
 class _CompilePool(ThreadPoolExecutor):

@@ -23,13 +23,6 @@ weights, so the kernel is built to stream them:
   counter. :func:`split_k_counters` holds the counters: zeroed once per device, and every launch
   leaves them zero, so no memset runs per call.
 
-``tensor_cores=True`` selects a second kernel for 4-bit weights under bfloat16 rows
-(:func:`tensor_core_gemv_applies`): the packed words become bfloat16 field tiles three
-instructions per two values (one LOP3 puts a field of each half-word into the mantissa of
-bfloat16 128, one packed FMA removes the bias) and each step is eight ``[16, KW] x [KW, N]``
-tensor-core dots, the group scale applied once per output. It is a tuning option
-(``bench_quant.py --sweep-gemv`` times it) until a GPU run shows it faster than the FMA kernel.
-
 Both kernels of ``quant_gemm`` use :func:`split_k_store` for their split-K epilogue.
 
 NOTE: CUDA-graph safe: no host synchronisation, a grid that depends on the shapes only, and the
@@ -56,24 +49,6 @@ _MAGIC = tl.constexpr(0x4B000000)  # the bits of float32 2**23
 _MAGIC_F = tl.constexpr(8388608.0)
 
 _counters: dict[torch.device, torch.Tensor] = {}
-
-def _unpack_int4_asm(bias_bits: str) -> str:
-    """PTX for :func:`_int4_fields`: ``$8`` a word, ``$0..$7`` its fields as bfloat16 ``q - bias``
-    (``bias_bits``: the bfloat16 pair of ``-(128 + bias)``). ``lop3 ... 0xEA`` is ``(a & b) | c``;
-    ``0x4300`` is bfloat16 128, whose 7 mantissa bits count in ones."""
-    steps = []
-    for j in range(4):
-        src = "$8" if j == 0 else "u"
-        shift = "" if j == 0 else f" shr.u32 u, $8, {4 * j};"
-        steps.append(f"{shift} lop3.b32 t, {src}, 0x000F000F, 0x43004300, 0xEA; fma.rn.bf16x2 t, t, one, neg;"
-                     f" mov.b32 {{${j}, ${j + 4}}}, t;")
-    return ("{ .reg .b32 t, u, one, neg; mov.b32 one, 0x3F803F80; mov.b32 neg, " + bias_bits + ";"
-            + "".join(steps) + " }")
-
-
-_UNPACK_INT4_ASM_SYM = tl.constexpr(_unpack_int4_asm("0xC308C308"))  # q - 8
-_UNPACK_INT4_ASM = tl.constexpr(_unpack_int4_asm("0xC300C300"))  # q
-
 
 
 def split_k_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
@@ -196,94 +171,6 @@ def _gemv_kernel(
                   SPLIT_K)
 
 
-@triton.jit
-def _int4_fields(words, BIAS: tl.constexpr, ASM: tl.constexpr):
-    """The eight 4-bit fields of int32 ``words`` as bfloat16 ``q - BIAS`` (exact), one tensor per
-    field, lowest bits first. With ``ASM`` two fields take three instructions (shift, one LOP3
-    that masks a field of each half-word and ORs in the exponent of 128, so each half is the
-    bfloat16 ``128 + q``, then one packed FMA for the bias); the plain ops are for the
-    interpreter."""
-    if ASM:
-        if BIAS == 8:
-            return tl.inline_asm_elementwise(_UNPACK_INT4_ASM_SYM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
-                                             dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
-        return tl.inline_asm_elementwise(_UNPACK_INT4_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
-                                         dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
-    # NOTE: through float32: the interpreter converts integers to bfloat16 wrongly
-    return (_field_bf16(words, 0, BIAS), _field_bf16(words, 4, BIAS), _field_bf16(words, 8, BIAS),
-            _field_bf16(words, 12, BIAS), _field_bf16(words, 16, BIAS), _field_bf16(words, 20, BIAS),
-            _field_bf16(words, 24, BIAS), _field_bf16(words, 28, BIAS))
-
-
-@triton.jit
-def _field_bf16(words, SHIFT: tl.constexpr, BIAS: tl.constexpr):
-    return (((words >> SHIFT) & 15) - BIAS).to(tl.float32).to(tl.bfloat16)
-
-
-@triton.jit
-def _x_field(x_base, f, mask, DOT_DTYPE: tl.constexpr):
-    """``[16, KW]`` activations of field ``f`` of each word row, as the dots take them."""
-    return tl.load(x_base + f, mask=mask, other=0.0).to(tl.bfloat16).to(DOT_DTYPE)
-
-
-@triton.jit
-def _gemv_tc_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr,
-    M, N, K, stride_xm, stride_om, group_size, k_per_split,
-    HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, KW: tl.constexpr,
-    ASM: tl.constexpr, DOT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """Program ``(n, split)`` of the 4-bit GEMV on the tensor cores: each step of ``KW`` word rows
-    (``8 * KW`` values of K, within one group) is eight ``[16, KW] x [KW, BLOCK_N]`` bfloat16
-    dots, field by field (rows past ``M`` zero), then the group's scale (and zero point, through
-    the activations' sum) once per output."""
-    pdl_wait(USE_PDL)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rm = tl.arange(0, 16)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rw = tl.arange(0, KW)
-    m_ok = rm < M
-    n_ok = rn < N
-    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    for k0 in range(k_start, k_end, KW * 8):
-        kw = k0 // 8 + rw
-        w_ok = kw < k_end // 8
-        words = tl.load(qw_ptr + kw[:, None] * N + rn[None, :], mask=w_ok[:, None] & n_ok[None, :], other=0)
-        if HAS_ZEROS:
-            fields = _int4_fields(words, 0, ASM)
-        else:
-            fields = _int4_fields(words, 8, ASM)
-        x_base = x_ptr + rm[:, None] * stride_xm + (kw * 8)[None, :]
-        x_mask = m_ok[:, None] & w_ok[None, :]
-        part = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-        x_sum = tl.zeros((16,), dtype=tl.float32)
-        for f in tl.static_range(8):
-            x = _x_field(x_base, f, x_mask, DOT_DTYPE)
-            part = tl.dot(x, fields[f].to(DOT_DTYPE), part)
-            if HAS_ZEROS:
-                x_sum += tl.sum(x.to(tl.float32), 1)
-        g = k0 // group_size
-        s = tl.load(s_ptr + g * N + rn, mask=n_ok, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            z = tl.load(z_ptr + g * N + rn, mask=n_ok, other=0).to(tl.float32)
-            part -= x_sum[:, None] * z[None, :]
-        acc += part * s[None, :]
-    split_k_store(acc, out_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_om, pid_n, pid_k, SPLIT_K)
-
-
-def tensor_core_gemv_applies(x: torch.Tensor, bits: int, group_size: int, g_idx: torch.Tensor | None,
-                             k: int, kw: int = 16) -> bool:
-    """Whether :func:`wna16_gemv` may take the tensor-core kernel: 4 bits, bfloat16 rows (the dots'
-    type; a float16 or float32 row keeps the exact float32 kernel), no act-order, and groups of
-    whole steps of ``8 * kw`` values."""
-    step = 8 * kw
-    return (bits == 4 and x.dtype == torch.bfloat16 and g_idx is None
-            and (group_size % step == 0 or group_size == k))
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # interpreter runs: a small "GPU", so the split path runs too
@@ -300,33 +187,16 @@ def gemv_config(m: int, n: int, k: int, bits: int, num_sms: int, *, block_n: int
     block_m = triton.next_power_of_2(m)
     block_n = block_n if n >= block_n else max(16, triton.next_power_of_2(n))
     kw = max(1, cells // block_m)
-    k_per_split, split = _split_k(n, k, kw * (32 // bits), block_n, num_sms, programs_per_sm)
-    return block_m, block_n, kw, k_per_split, split
-
-
-def _split_k(n: int, k: int, step: int, block_n: int, num_sms: int, programs_per_sm: int) -> tuple[int, int]:
-    """``(k_per_split, SPLIT_K)``: K split until the grid has about ``programs_per_sm`` programs per
-    SM, each split a whole number of ``step`` values and at least two steps."""
-    split = max(1, min(triton.cdiv(programs_per_sm * num_sms, triton.cdiv(n, block_n)), k // (2 * step)))
+    step = kw * (32 // bits)
+    tiles = triton.cdiv(n, block_n)
+    split = max(1, min(triton.cdiv(programs_per_sm * num_sms, tiles), k // (2 * step)))
     k_per_split = triton.cdiv(triton.cdiv(k, split), step) * step
-    return k_per_split, triton.cdiv(k, k_per_split)
-
-
-def _split_k_buffers(x: torch.Tensor, n: int, tiles: int, k_per_split: int, split: int):
-    """``(k_per_split, split, counters, out, part)`` for a launch: no split where the counters are
-    not to be had (:func:`split_k_counters`); ``part`` is ``out`` (unused) without a split."""
-    m, k = x.shape
-    counters = split_k_counters(x.device, tiles) if split > 1 else None
-    if split > 1 and counters is None:
-        k_per_split, split = k, 1
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    return k_per_split, split, counters, out, part
+    return block_m, block_n, kw, k_per_split, triton.cdiv(k, k_per_split)
 
 
 def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                g_idx: torch.Tensor | None, bits: int, group_size: int, *, num_warps: int = 4,
-               num_stages: int | None = None, tensor_cores: bool = False, **tuning: int) -> torch.Tensor:
+               num_stages: int | None = None, **tuning: int) -> torch.Tensor:
     """``wna16_gemm`` for ``x [M <= GEMV_MAX_ROWS, K]`` (contiguous rows): ``[M, N]`` in x's dtype.
     ``num_warps``, ``num_stages`` (default 1; more than 1 with ``g_idx`` would hold ~100 KiB of
     per-value scale gathers in shared memory) and ``tuning`` (:func:`gemv_config`'s
@@ -335,14 +205,16 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     m, k = x.shape
     n = qweight.shape[1]
     pack = 32 // bits
-    if tensor_cores and tensor_core_gemv_applies(x, bits, group_size, g_idx, k):
-        return _wna16_gemv_tc(x, qweight, scales, zeros, group_size, num_warps=num_warps, **tuning)
     if g_idx is None and group_size % pack:
         raise ValueError(f"group_size={group_size} is not a multiple of the {pack} values of a packed word")
     block_m, block_n, kw, k_per_split, split = gemv_config(m, n, k, bits, _num_sms(x.device), **tuning)
     tiles = triton.cdiv(n, block_n)
-    k_per_split, split, counters, out, part = _split_k_buffers(x, n, tiles, k_per_split, split)
+    counters = split_k_counters(x.device, tiles) if split > 1 else None
+    if split > 1 and counters is None:
+        k_per_split, split = k, 1
     num_stages = 1 if num_stages is None else num_stages
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     launch(_gemv_kernel, (tiles, split),
            x, qweight, scales, zeros if zeros is not None else scales, g_idx if g_idx is not None else qweight,
            out, part, counters if counters is not None else qweight,
@@ -350,25 +222,4 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
            BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None, SPLIT_K=split,
            BLOCK_M=block_m, BLOCK_N=block_n, KW=kw, NUM_STAGES=num_stages, num_warps=num_warps,
            **pdl_options(x.device))
-    return out
-
-
-def _wna16_gemv_tc(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                   group_size: int, *, num_warps: int = 4, block_n: int = 64, kw: int = 16,
-                   programs_per_sm: int = 8) -> torch.Tensor:
-    """:func:`wna16_gemv` on the tensor cores (:func:`tensor_core_gemv_applies`)."""
-    m, k = x.shape
-    n = qweight.shape[1]
-    tiles = triton.cdiv(n, block_n)
-    k_per_split, split = _split_k(n, k, 8 * kw, block_n, _num_sms(x.device), programs_per_sm)
-    k_per_split, split, counters, out, part = _split_k_buffers(x, n, tiles, k_per_split, split)
-    on_gpu = x.device.type == "cuda"
-    launch(_gemv_tc_kernel, (tiles, split),
-           x, qweight, scales, zeros if zeros is not None else scales, out, part,
-           counters if counters is not None else qweight,
-           m, n, k, x.stride(0), out.stride(0), group_size, k_per_split,
-           HAS_ZEROS=zeros is not None, SPLIT_K=split, BLOCK_N=block_n, KW=kw, ASM=on_gpu,
-           # NOTE: the interpreter's bfloat16 dots are wrong: there the same values go in as float32
-           # (a constexpr type, not a branch: Triton's compiler wants one return type per helper)
-           DOT_DTYPE=tl.bfloat16 if on_gpu else tl.float32, num_warps=num_warps, **pdl_options(x.device))
     return out
