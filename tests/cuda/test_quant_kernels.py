@@ -123,7 +123,9 @@ def test_fp8_scaled_mm_matches_reference(static, m, n, k, dtype, device):
 @pytest.mark.parametrize("m, k", [(1, 128), (7, 4100), (300, 96)] if INTERPRET
                          else [(1, 4096), (7, 14336), (300, 4100)])
 def test_quantize_rows_matches_core_reference(dtype, static, m, k, device):
-    """One launch per token row: the scale bit for bit, the values as core's reference."""
+    """One launch per token row: the scale bit for bit, the values as core's reference on the CPU
+    (the op's definition: IEEE division; torch on a GPU divides by a scalar through its
+    reciprocal, which moves int8 scales by an ulp and a row's -127.5-step extreme off -128)."""
     from pagedlm.backends.cuda.kernels.quant_act import quantize_rows
     from pagedlm.core.layers.quantization.utils import quantize_fp8_per_token, quantize_int8_per_token
 
@@ -134,7 +136,7 @@ def test_quantize_rows_matches_core_reference(dtype, static, m, k, device):
     divisor = 448.0 if dtype == torch.float8_e4m3fn else 127.5
     xs = (x.float().abs().amax() / divisor).reshape(1) if static else None
     ref_fn = quantize_fp8_per_token if dtype == torch.float8_e4m3fn else quantize_int8_per_token
-    ref_q, ref_scale = ref_fn(x, xs)
+    ref_q, ref_scale = ref_fn(x.cpu(), None if xs is None else xs.cpu())
     got_q, got_scale = quantize_rows(x, dtype, xs, rows=m + 3)
     assert got_q.shape == (m + 3, k) and got_q.dtype == dtype and got_scale.shape == (m, 1)
     assert torch.equal(got_scale.cpu(), ref_scale.expand(m, 1).cpu())
@@ -158,9 +160,9 @@ def test_int8_scaled_mm_matches_reference(static, m, n, k, device):
     xs = (x.float().abs().amax() / 127.5).reshape(1) if static else None
     bias = torch.randn(n, generator=gen).to(dtype).to(device) if static else None
     out = int8_scaled_mm(x, w, ws, xs, bias)
-    ref = int8_scaled_mm_ref(x, w, ws, xs, bias)
+    ref = int8_scaled_mm_ref(*(t.cpu() if t is not None else None for t in (x, w, ws, xs, bias)))
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(out.float(), ref.float(), atol=tol * ref.float().abs().max().item(), rtol=tol)
+    torch.testing.assert_close(out.float().cpu(), ref.float(), atol=tol * ref.float().abs().max().item(), rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

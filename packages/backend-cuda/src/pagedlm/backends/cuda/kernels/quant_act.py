@@ -49,7 +49,10 @@ def _quantize_rows_kernel(
             k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, 0) / DIVISOR, 1e-12)
+        # NOTE: div_rn, as for the values below: ``/`` is approximate on the GPU, and an int8 scale
+        # one ulp above the reference's turns a row's negative extreme, -127.5 steps exactly,
+        # into -127 instead of -128 (a quarter of a tiny model's rows differed, H100)
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), DIVISOR), 1e-12)
     tl.store(scale_ptr + row, scale)
     # NOTE: the second pass re-reads the row (from L1/L2: a row is at most a few tens of KiB)
     for k0 in range(0, K, BLOCK_K):
