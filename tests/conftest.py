@@ -36,6 +36,33 @@ def pytest_configure(config: pytest.Config) -> None:
         threads = max(1, cores // workers)
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)  # the CPU platform then keeps it too
+        if torch.cuda.is_available():
+            _share_the_gpu()
+
+
+#: each xdist worker's engines' KV cache on a shared GPU (see _share_the_gpu)
+GPU_KV_BYTES_PER_WORKER = 2 << 30
+
+
+def _share_the_gpu() -> None:
+    """Under xdist the workers' engines share one GPU, and an engine sizes its KV cache from what
+    the others leave (``CudaPlatform.kv_cache_memory_bytes``: 0.9 of the card minus every
+    process's use), so the first takes most of the card and the next fail with "no memory left
+    for the KV cache" (12 workers on an 80 GB H100, 2026-12-06). There each engine that does not
+    size its cache itself gets :data:`GPU_KV_BYTES_PER_WORKER`; a serial run (``-n 0``) keeps
+    the real accounting."""
+    try:
+        from pagedlm.backends.cuda.platform import CudaPlatform
+    except ImportError:
+        return
+    measured = CudaPlatform.kv_cache_memory_bytes
+
+    def shared(self, vllm_config, device):
+        if vllm_config.cache_config.kv_cache_memory_bytes is not None:
+            return measured(self, vllm_config, device)
+        return GPU_KV_BYTES_PER_WORKER
+
+    CudaPlatform.kv_cache_memory_bytes = shared
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
