@@ -35,3 +35,19 @@ def test_dense_gemv_prefetches_its_weights_before_the_pdl_wait(block_m):
     ptx = _compile_for_sm90(_dense_gemv_kernel, signature, constexprs).asm["ptx"]
     assert "cp.async.bulk.prefetch.L2" in ptx and "griddepcontrol.wait" in ptx
     assert ptx.index("cp.async.bulk.prefetch.L2") < ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+
+
+@pytest.mark.parametrize("bits, group_size", [(4, 128), (8, 32), (4, 4096)])
+def test_wna16_gemv_finds_groups_without_an_integer_division(bits, group_size):
+    """The decode GEMV's group index per word row comes from a constexpr group size, so the loop
+    holds no integer division (a runtime divisor compiled to ~30 instructions per word row)."""
+    from pagedlm.backends.cuda.kernels.wna16_gemv import _gemv_kernel
+
+    signature = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "g_ptr": "*i32",
+                 "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+                 "stride_xm": "i32", "stride_om": "i32", "k_per_split": "i32"}
+    constexprs = {"GROUP_SIZE": group_size, "BITS": bits, "HAS_ZEROS": False, "HAS_G_IDX": False, "SPLIT_K": 4,
+                  "BLOCK_M": 1, "BLOCK_N": 64, "KW": 32, "NUM_STAGES": 1, "USE_PDL": True}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    ptx = _compile_for_sm90(_gemv_kernel, signature, constexprs).asm["ptx"]
+    assert "div.s32" not in ptx and "div.u32" not in ptx and "rem." not in ptx
