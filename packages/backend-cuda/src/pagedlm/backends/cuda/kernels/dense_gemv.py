@@ -244,7 +244,6 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     size = x.element_size()
     # the bulk prefetch takes 16-byte aligned rows and split starts
     aligned = weight.data_ptr() % 16 == 0 and weight.stride(0) * size % 16 == 0 and k_per_split * size % 16 == 0
-    aligned = aligned and config.block_n <= 32 * config.num_warps  # a row per thread
     launch(_dense_gemv_kernel, (tiles, split),
            x, weight, bias if bias is not None else weight, out, part, counters if counters is not None else out,
            m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,

@@ -107,10 +107,9 @@ def prefetch_rows_l2(ptr, row0, last_row, stride, col, nbytes, ROWS: tl.constexp
 
     A kernel calls it before :func:`pdl_wait` for weights (constant through a forward), so they
     stream into L2 while the previous kernel finishes. ``THREADS`` is the program's thread count,
-    so each thread holds one element of the index vector and no row is asked for twice.
-    ``nbytes`` must be a multiple of 16 and the rows' addresses 16-byte aligned (the launchers
-    check)."""
-    tl.static_assert(ROWS <= THREADS)
+    so each thread holds one element of the index vector and no row is asked for twice (rows
+    past ``THREADS`` are not asked for). ``nbytes`` must be a multiple of 16 and the rows'
+    addresses 16-byte aligned (the launchers check)."""
     t = tl.arange(0, THREADS)
     row = tl.minimum(row0 + t, last_row).to(tl.int64)
     addr = ptr + row * stride + col
