@@ -51,3 +51,18 @@ def test_wna16_gemv_finds_groups_without_an_integer_division(bits, group_size):
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     ptx = _compile_for_sm90(_gemv_kernel, signature, constexprs).asm["ptx"]
     assert "div.s32" not in ptx and "div.u32" not in ptx and "rem." not in ptx
+
+
+def test_wna16_gemm_finds_groups_without_an_integer_division():
+    """The same for the GEMM that takes more than four rows."""
+    from pagedlm.backends.cuda.kernels.quant_gemm import _wna16_kernel
+
+    signature = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "g_ptr": "*i32",
+                 "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+                 "stride_xm": "i32", "stride_om": "i32", "k_per_split": "i32"}
+    constexprs = {"GROUP_SIZE": 128, "BITS": 4, "HAS_ZEROS": True, "HAS_G_IDX": False, "SPLIT_K": 1, "BLOCK_M": 64,
+                  "BLOCK_N": 128, "BLOCK_K": 32, "DOT_PRECISION": "tf32"}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    ptx = _compile_for_sm90(_wna16_kernel, signature, constexprs).asm["ptx"]
+    assert "mma.sync" in ptx or "wgmma" in ptx
+    assert "div.s32" not in ptx and "div.u32" not in ptx and "rem." not in ptx

@@ -33,9 +33,10 @@ __all__ = ["fp8_scaled_mm", "int8_scaled_mm", "wna16_gemm"]
 @triton.jit
 def _wna16_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, part_ptr, count_ptr,
-    M, N, K, stride_xm, stride_om, group_size, k_per_split,
-    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    M, N, K, stride_xm, stride_om, k_per_split,
+    GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """``out [M, N] = x [M, K] @ dequant(qweight)``; program ``(m, n, split)`` computes one output
     tile over the K range ``[split * k_per_split, (split + 1) * k_per_split)``."""
@@ -60,7 +61,7 @@ def _wna16_kernel(
         if HAS_G_IDX:
             g = tl.load(g_ptr + rk, mask=k_ok, other=0)
         else:
-            g = rk // group_size
+            g = rk // GROUP_SIZE  # a constexpr: a shift, not an integer division per value
         s = tl.load(s_ptr + g[:, None] * N + rn[None, :], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if HAS_ZEROS:
             z = tl.load(z_ptr + g[:, None] * N + rn[None, :], mask=k_ok[:, None] & n_ok[None, :], other=0)
@@ -110,7 +111,8 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     launch(_wna16_kernel, grid,
            x, qweight, scales, zeros if zeros is not None else scales, g_idx if g_idx is not None else qweight, out,
            part, counters if counters is not None else qweight,
-           m, n, k, x.stride(0), out.stride(0), group_size, k_per_split,
+           m, n, k, x.stride(0), out.stride(0), k_per_split,
+           GROUP_SIZE=group_size if g_idx is None else 32 // bits,
            BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None, SPLIT_K=split,
            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
            # float32 activations are the HF-parity configuration: no TF32 rounding of the dot
