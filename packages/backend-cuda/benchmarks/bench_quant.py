@@ -116,7 +116,7 @@ def sweep_gemv(dev: torch.device, gen: torch.Generator) -> None:
         ref = wna16_gemm_ref(x.float(), qw, s.float(), None, None, 4, 128)
         size = nbytes(qw, s)
         grid = [dict(block_n=b, cells=c, programs_per_sm=p, num_warps=w, num_stages=st)
-                for b, c, p, w, st in itertools.product((64, 128, 256), (8, 16, 32), (2, 4, 8), (4,), (1, 3))]
+                for b, c, p, w, st in itertools.product((64, 128, 256), (8, 16, 32), (2, 4, 6, 8), (4,), (1, 3))]
         timings = []
         for tuning in grid:
             if rel_err(wna16_gemv(x, qw, s, None, None, 4, 128, **tuning), ref) > 2e-2:
