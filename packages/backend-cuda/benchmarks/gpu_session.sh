@@ -10,8 +10,9 @@
 # the cache itself). For stages in another order, run the script once per group with its own
 # OUT (OUT=/tmp/out/first STAGES=install,nano ...; OUT=/tmp/out/then STAGES=init-spy ...).
 #
-# Needs the wheels in .whl/ (hatchling & co., see ../shared/tools/device-wheels) on a machine
-# without a package index.
+# Needs the wheels in .whl/ (hatchling & co., compressed-tensors, gguf, xgrammar and
+# apache-tvm-ffi for the tests: see ../shared/tools/device-wheels) on a machine without a package
+# index.
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/pagedlm-gpu-out}
@@ -43,7 +44,8 @@ if has install; then
   stage install 120 bash -c '
     python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl &&
     python3 -m pip install -q --no-deps --no-build-isolation -e packages/core -e packages/backend-cpu \
-      -e packages/backend-cuda -e packages/models-llama -e packages/models-qwen &&
+      -e packages/backend-cuda -e packages/models-llama -e packages/models-qwen -e packages/models-gemma \
+      -e packages/models-llava &&
     python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())" &&
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv'
 fi
