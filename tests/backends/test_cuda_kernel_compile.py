@@ -5,18 +5,21 @@ run found: a helper whose constexpr branches return different types compiles und
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 triton = pytest.importorskip("triton")
 
 
-def _compile_for_sm90(kernel, signature: dict[str, str], constexprs: dict[str, object], num_warps: int = 4):
+def _compile_for_sm90(kernel, signature: dict[str, str], constexprs: dict[str, object], num_warps: int = 4,
+                      attrs: dict | None = None):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = list(signature)
     src = ASTSource(fn=kernel, signature=signature,
-                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
+                    constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
@@ -43,8 +46,12 @@ WNA16_SIGNATURE = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr"
                    "stride_xm": "i32", "stride_om": "i32", "k_per_split": "i32"}
 
 
-def _wna16_ptx(kernel, constexprs: dict[str, object]) -> str:
-    signature = {**WNA16_SIGNATURE, **dict.fromkeys(constexprs, "constexpr")}
+#: the decode GEMV's extra argument: float32 2**23's bits, in a register
+GEMV_SIGNATURE = {**WNA16_SIGNATURE, "magic": "i32"}
+
+
+def _wna16_ptx(kernel, constexprs: dict[str, object], signature=WNA16_SIGNATURE) -> str:
+    signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
     return _compile_for_sm90(kernel, signature, constexprs).asm["ptx"]
 
 
@@ -58,10 +65,46 @@ def test_wna16_gemv_finds_groups_without_an_integer_division(bits, group_size):
     holds no integer division (a runtime divisor cost ~38 of a step's 728 sm_90 instructions)."""
     from pagedlm.backends.cuda.kernels.wna16_gemv import _gemv_kernel
 
-    ptx = _wna16_ptx(_gemv_kernel, {"GROUP_SIZE": group_size, "BITS": bits, "HAS_ZEROS": False, "HAS_G_IDX": False,
-                                    "SPLIT_K": 4, "BLOCK_M": 1, "BLOCK_N": 64, "KW": 32, "NUM_STAGES": 1,
-                                    "USE_PDL": True})
+    ptx = _wna16_ptx(_gemv_kernel, {**GEMV_CONSTEXPRS, "GROUP_SIZE": group_size, "BITS": bits}, GEMV_SIGNATURE)
     assert not _has_integer_division(ptx)
+
+
+GEMV_CONSTEXPRS = {"GROUP_SIZE": 128, "BITS": 4, "HAS_ZEROS": False, "HAS_G_IDX": False, "SPLIT_K": 4, "BLOCK_M": 1,
+                   "BLOCK_N": 64, "KW": 32, "NUM_STAGES": 1, "USE_PDL": True}
+
+
+def _loop_opcodes(sass: str) -> list[str]:
+    """The opcodes of the body of the kernel's one backward-branching loop (nvdisasm's text)."""
+    lines = sass.splitlines()
+    for end, line in enumerate(lines):
+        jump = re.search(r"BRA (LBB\d+);", line)
+        if jump and f"{jump.group(1)}:" in lines[:end]:
+            body = lines[lines.index(f"{jump.group(1)}:") + 1:end]
+            return [re.sub(r"^@!?P\w+ ", "", op.split("\t", 1)[1]).split(" ")[0].split(".")[0]
+                    for op in body if "\t" in op]
+    raise AssertionError("no loop in the kernel's SASS")
+
+
+def test_wna16_gemv_unpacks_a_4_bit_field_in_one_logic_instruction():
+    """Each field of a packed word becomes a float with one LOP3 (mask and OR with 2**23's bits),
+    then a subtraction and a multiply-add: the GEMV is instruction-bound at batch 1. A constant
+    2**23 (two LOP3s a field) and a field at bit 0 of a shifted word (SHF + SGXT) once cost 138 of
+    the loop's 728 instructions."""
+    from pagedlm.backends.cuda.kernels.wna16_gemv import _gemv_kernel
+
+    signature = {**GEMV_SIGNATURE, **dict.fromkeys(GEMV_CONSTEXPRS, "constexpr")}
+    # the launch's specialisation: every pointer and size but M divisible by 16
+    names = list(signature)
+    kernel = _compile_for_sm90(_gemv_kernel, signature, GEMV_CONSTEXPRS, attrs={
+        (names.index(n),): [["tt.divisibility", 16]] for n in WNA16_SIGNATURE if n != "M"})
+    try:
+        ops = _loop_opcodes(kernel.asm["sass"])
+    except RuntimeError as e:  # no nvdisasm in this Triton wheel
+        pytest.skip(f"no SASS: {e}")
+    fields = 32 * 64 // 128 * 8  # [KW, BLOCK_N] words over 128 threads, 8 fields each
+    assert ops.count("FFMA") >= fields and ops.count("FADD") == fields
+    assert ops.count("LOP3") <= fields * 1.15
+    assert ops.count("SGXT") < 16  # not one per word
 
 
 def test_wna16_gemm_finds_groups_without_an_integer_division():
