@@ -95,7 +95,7 @@ def _gemv_kernel(
     M, N, K, stride_xm, stride_om, k_per_split, magic,
     GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KW: tl.constexpr,
-    NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, EVEN: tl.constexpr,
 ):
     """Program ``(n, split)``: rows ``[0, M)`` x columns ``[n * BLOCK_N, ...)`` over the K range
     ``[split * k_per_split, ...)``, in steps of ``KW`` packed words (``KW * 32 // BITS`` values)."""
@@ -116,8 +116,10 @@ def _gemv_kernel(
     rm = tl.arange(0, BLOCK_M)[:, None, None]
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, None, :]
     rw = tl.arange(0, KW)[None, :, None]
-    m_ok = rm < M
-    n_ok = rn < N
+    # EVEN: M == BLOCK_M, N a multiple of BLOCK_N and K of a step, so no load needs a mask (a
+    # masked 16-bit load costs a PRMT to zero its register first)
+    m_ok = (rm < M) | EVEN
+    n_ok = (rn < N) | EVEN
     acc = tl.zeros((BLOCK_M, KW, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
@@ -125,7 +127,7 @@ def _gemv_kernel(
     # through shared memory) while this one is unpacked
     for k0 in tl.range(k_start, k_end, KW * PACK, num_stages=NUM_STAGES):
         kw = k0 // PACK + rw  # word rows [1, KW, 1]
-        w_ok = kw < k_end // PACK
+        w_ok = (kw < k_end // PACK) | EVEN
         tile_ok = w_ok & n_ok
         words = tl.load(qw_ptr + kw * N + rn, mask=tile_ok, other=0)  # [1, KW, BLOCK_N]
         hi = words >> HI_SHIFT
@@ -152,22 +154,25 @@ def _gemv_kernel(
             # ptxas fuse the mask and the OR into one LOP3 (which takes a single immediate); as a
             # constant they stay two, 113 of a step's 728 instructions (sm_90 SASS, Triton 3.6)
             field = (bits | magic).to(tl.float32, bitcast=True)  # 2**23 + q * 2**OFF
-            x_scaled = x * (1.0 / (1 << OFF))  # exact: a power of two
+            # field * 2**-OFF - 2**(23 - OFF) is q exactly (a power-of-two product, an exact
+            # difference), so one multiply-add gives q minus its zero point and x stays unscaled
+            scale = 1.0 / (1 << OFF)
+            base = _MAGIC_F * scale
             if HAS_G_IDX:
                 gk = tl.load(g_ptr + k, mask=w_ok, other=0)
                 sk = tl.load(s_ptr + gk * N + rn, mask=tile_ok, other=0.0).to(tl.float32)
                 if HAS_ZEROS:
                     zk = tl.load(z_ptr + gk * N + rn, mask=tile_ok, other=0).to(tl.float32)
-                    w = (field - (_MAGIC_F + zk * (1 << OFF))) * sk
+                    w = (field * scale - (base + zk)) * sk
                 else:
-                    w = (field - (_MAGIC_F + HALF * (1 << OFF))) * sk
-                acc += x_scaled * w
+                    w = (field * scale - (base + HALF)) * sk
+                acc += x * w
             elif HAS_ZEROS:
                 # sum x * q here, and x * z through the row sums after the fields
-                part += x_scaled * (field - _MAGIC_F)
+                part += x * (field * scale - base)
                 x_sum += x
             else:
-                part += x_scaled * (field - (_MAGIC_F + HALF * (1 << OFF)))
+                part += x * (field * scale - (base + HALF))
         if not HAS_G_IDX:
             if HAS_ZEROS:
                 part -= x_sum * z
@@ -230,5 +235,6 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
            GROUP_SIZE=group_size if g_idx is None else pack,
            BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None, SPLIT_K=split,
            BLOCK_M=block_m, BLOCK_N=block_n, KW=kw, NUM_STAGES=num_stages, num_warps=num_warps,
+           EVEN=m == block_m and n % block_n == 0 and k % (kw * pack) == 0,
            **pdl_options(x.device))
     return out
