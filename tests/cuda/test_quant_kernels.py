@@ -73,6 +73,30 @@ def test_wna16_decode_kernels_match_dequantize_then_matmul(bits, group, zeros, a
     _check_wna16(bits, group, zeros, act_order, m, n, k, device)
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("bits, zeros, act_order", [(4, False, False), (4, True, False), (4, False, True),
+                                                    (8, True, False)])
+@pytest.mark.parametrize("m, n, k", [(1, 64, 1024), (1, 64, 640), (3, 96, 640)] if INTERPRET
+                         else [(1, 4096, 4096), (1, 6144, 4224), (3, 4096, 14336)])
+def test_wna16_gemv_variants_match_dequantize_then_matmul(prefetch, bits, zeros, act_order, m, n, k, device):
+    """The GEMV with and without the next step's loads in registers, on shapes that tile evenly
+    (no masks) and that do not (a step past K, rows past M). The activations and the words are
+    views of larger buffers with random values after them, so an unmasked read past K counts."""
+    from pagedlm.backends.cuda.kernels.wna16_gemv import wna16_gemv
+
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    x, qw, s, z, g_idx = _wna16_inputs(m, n, k, bits, 128, zeros, act_order, dtype, device)
+    x_buf = torch.randn(m * k + 4096, dtype=dtype, device=device)
+    x_buf[:m * k] = x.flatten()
+    qw_buf = torch.randint(-2**31, 2**31 - 1, (qw.shape[0] + 64, n), dtype=torch.int32, device=device)
+    qw_buf[:qw.shape[0]] = qw
+    x, qw = x_buf[:m * k].view(m, k), qw_buf[:qw.shape[0]]
+    out = wna16_gemv(x, qw, s, z, g_idx, bits, 128, prefetch=prefetch)
+    ref = wna16_gemm_ref(x.float(), qw, s.float(), z, g_idx, bits, 128)
+    tol = 1e-3 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_wna16_gemv_in_half_precision(dtype, device):
     # bf16 / fp16 activations and scales (under the interpreter too: the GEMV has no tl.dot)

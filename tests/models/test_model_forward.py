@@ -354,6 +354,9 @@ def _tp_worker(rank: int, world_size: int, model_dir: str, rendezvous: str, out:
         layer = layers["model.layers.0.self_attn.attn"]
         if rank == 0:
             torch.save({"logits": logits, "heads": (layer.num_heads, layer.num_kv_heads)}, out)
+        # every rank is out of its last collective before any tears gloo down (once, under load,
+        # rank 0 aborted in std::terminate without it)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

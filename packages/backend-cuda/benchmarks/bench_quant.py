@@ -19,7 +19,9 @@ in all) so they are read from HBM, not from the 50 MiB L2. ``GB/s`` is the op's 
 
 ``--sweep-gemv`` instead times the decode matrix-vector kernel (W4A16 group 128, one row) at
 each shape over its tuning grid (columns per program, word rows per step, programs per SM,
-warps, pipeline stages) and prints the best setting per shape next to the default's.
+the next step's loads in registers or not) and prints the best setting per shape next to the
+default's. (Pipeline stages through shared memory were in the grid until 2026-12-06 and never
+won.)
 """
 
 from __future__ import annotations
@@ -115,8 +117,8 @@ def sweep_gemv(dev: torch.device, gen: torch.Generator) -> None:
         s = (torch.rand(k // 128, n, device=dev, generator=gen) * 0.01 + 1e-3).to(torch.bfloat16)
         ref = wna16_gemm_ref(x.float(), qw, s.float(), None, None, 4, 128)
         size = nbytes(qw, s)
-        grid = [dict(block_n=b, cells=c, programs_per_sm=p, num_warps=w, num_stages=st)
-                for b, c, p, w, st in itertools.product((64, 128, 256), (8, 16, 32), (2, 4, 6, 8), (4,), (1, 3))]
+        grid = [dict(block_n=b, cells=c, programs_per_sm=p, prefetch=f)
+                for b, c, p, f in itertools.product((64, 128, 256), (8, 16, 32), (2, 4, 6, 8), (False, True))]
         timings = []
         for tuning in grid:
             if rel_err(wna16_gemv(x, qw, s, None, None, 4, 128, **tuning), ref) > 2e-2:
@@ -125,7 +127,7 @@ def sweep_gemv(dev: torch.device, gen: torch.Generator) -> None:
             t, _ = time_cycled(lambda w, x=x, s=s, a=tuning: wna16_gemv(x, w, s, None, None, 4, 128, **a), qw, size)
             timings.append((t, tuning))
         default = next(t for t, c in timings
-                       if c == dict(block_n=64, cells=32, programs_per_sm=8, num_warps=4, num_stages=1))
+                       if c == dict(block_n=64, cells=32, programs_per_sm=8, prefetch=False))
         timings.sort(key=lambda item: item[0])
         print(f"{name} N={n} K={k}: default {default * 1e3:.1f} us ({size / default / 1e6:.0f} GB/s); best:")
         for t, tuning in timings[:3]:

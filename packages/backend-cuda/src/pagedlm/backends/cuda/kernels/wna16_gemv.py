@@ -90,12 +90,33 @@ def split_k_store(acc, out_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_om, ti
 
 
 @triton.jit
+def _load_step(qw_ptr, s_ptr, z_ptr, kw, rn, N, k_end, n_ok, GROUP_SIZE: tl.constexpr, PACK: tl.constexpr,
+               HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, EVEN: tl.constexpr):
+    """Word rows ``kw [1, KW, 1]`` x columns ``rn``: the packed words and, without ``g_idx``,
+    their groups' float32 scales and zero points (the scales again in their place otherwise)."""
+    tile_ok = ((kw < k_end // PACK) | EVEN) & n_ok
+    words = tl.load(qw_ptr + kw * N + rn, mask=tile_ok, other=0)  # [1, KW, BLOCK_N]
+    s = words.to(tl.float32)
+    z = s
+    if not HAS_G_IDX:
+        # one group per word (GROUP_SIZE is a multiple of PACK). NOTE: a constexpr, so this is a
+        # shift (or a multiply-high): a runtime divisor cost 38 of a step's 728 instructions
+        # (sm_90 SASS, Triton 3.9)
+        g = (kw * PACK) // GROUP_SIZE
+        s = tl.load(s_ptr + g * N + rn, mask=tile_ok, other=0.0).to(tl.float32)
+        z = s
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + g * N + rn, mask=tile_ok, other=0).to(tl.float32)
+    return words, s, z
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_om, k_per_split, magic,
     GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KW: tl.constexpr,
-    NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, EVEN: tl.constexpr,
+    NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Program ``(n, split)``: rows ``[0, M)`` x columns ``[n * BLOCK_N, ...)`` over the K range
     ``[split * k_per_split, ...)``, in steps of ``KW`` packed words (``KW * 32 // BITS`` values)."""
@@ -123,22 +144,30 @@ def _gemv_kernel(
     acc = tl.zeros((BLOCK_M, KW, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    STEP: tl.constexpr = KW * PACK
+    if PREFETCH:
+        # the next step's words, scales and zero points are loaded into registers before this
+        # step is unpacked, so a warp's own loads are in flight during its arithmetic; the last
+        # step reloads itself (clamped: an in-bounds address, no mask)
+        words_next, s_next, z_next = _load_step(qw_ptr, s_ptr, z_ptr, k_start // PACK + rw, rn, N, k_end, n_ok,
+                                                GROUP_SIZE, PACK, HAS_ZEROS, HAS_G_IDX, EVEN)
     # NUM_STAGES > 1: the word and scale loads of the next steps are in flight (async copies
     # through shared memory) while this one is unpacked
-    for k0 in tl.range(k_start, k_end, KW * PACK, num_stages=NUM_STAGES):
+    for k0 in tl.range(k_start, k_end, STEP, num_stages=NUM_STAGES):
         kw = k0 // PACK + rw  # word rows [1, KW, 1]
         w_ok = (kw < k_end // PACK) | EVEN
         tile_ok = w_ok & n_ok
-        words = tl.load(qw_ptr + kw * N + rn, mask=tile_ok, other=0)  # [1, KW, BLOCK_N]
+        if PREFETCH:
+            words, s, z = words_next, s_next, z_next
+            k_next = k0 + STEP
+            if EVEN:
+                k_next = tl.minimum(k_next, k_end - STEP)
+            words_next, s_next, z_next = _load_step(qw_ptr, s_ptr, z_ptr, k_next // PACK + rw, rn, N, k_end, n_ok,
+                                                    GROUP_SIZE, PACK, HAS_ZEROS, HAS_G_IDX, EVEN)
+        else:
+            words, s, z = _load_step(qw_ptr, s_ptr, z_ptr, kw, rn, N, k_end, n_ok,
+                                     GROUP_SIZE, PACK, HAS_ZEROS, HAS_G_IDX, EVEN)
         hi = words >> HI_SHIFT
-        if not HAS_G_IDX:
-            # one group per word (GROUP_SIZE is a multiple of PACK). NOTE: a constexpr, so this is a
-            # shift (or a multiply-high): a runtime divisor cost 38 of a step's 728 instructions
-            # (sm_90 SASS, Triton 3.9)
-            g = (kw * PACK) // GROUP_SIZE
-            s = tl.load(s_ptr + g * N + rn, mask=tile_ok, other=0.0).to(tl.float32)
-            if HAS_ZEROS:
-                z = tl.load(z_ptr + g * N + rn, mask=tile_ok, other=0).to(tl.float32)
         part = tl.zeros((BLOCK_M, KW, BLOCK_N), dtype=tl.float32)
         x_sum = tl.zeros((BLOCK_M, KW, 1), dtype=tl.float32)
         for f in tl.static_range(PACK):
@@ -208,12 +237,14 @@ def gemv_config(m: int, n: int, k: int, bits: int, num_sms: int, *, block_n: int
 
 def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                g_idx: torch.Tensor | None, bits: int, group_size: int, *, num_warps: int = 4,
-               num_stages: int | None = None, **tuning: int) -> torch.Tensor:
+               num_stages: int | None = None, prefetch: bool = False, **tuning: int) -> torch.Tensor:
     """``wna16_gemm`` for ``x [M <= GEMV_MAX_ROWS, K]`` (contiguous rows): ``[M, N]`` in x's dtype.
     ``num_warps``, ``num_stages`` (default 1; more than 1 with ``g_idx`` would hold ~100 KiB of
-    per-value scale gathers in shared memory) and ``tuning`` (:func:`gemv_config`'s
-    keywords) are for tuning runs. NOTE: one stage measured faster than three (the sweep's best:
-    the split-K grid keeps enough loads in flight without the async-copy pipeline)."""
+    per-value scale gathers in shared memory), ``prefetch`` (the next step's words loaded into
+    registers before this one is unpacked; off until a GPU run times it) and ``tuning``
+    (:func:`gemv_config`'s keywords) are for tuning runs. NOTE: one stage measured faster than
+    three (the sweep's best: the split-K grid keeps enough loads in flight without the async-copy
+    pipeline)."""
     m, k = x.shape
     n = qweight.shape[1]
     pack = 32 // bits
@@ -235,6 +266,6 @@ def wna16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
            GROUP_SIZE=group_size if g_idx is None else pack,
            BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None, SPLIT_K=split,
            BLOCK_M=block_m, BLOCK_N=block_n, KW=kw, NUM_STAGES=num_stages, num_warps=num_warps,
-           EVEN=m == block_m and n % block_n == 0 and k % (kw * pack) == 0,
+           EVEN=m == block_m and n % block_n == 0 and k % (kw * pack) == 0, PREFETCH=prefetch,
            **pdl_options(x.device))
     return out
