@@ -59,18 +59,21 @@ def _has_integer_division(ptx: str) -> bool:
     return "div.s32" in ptx or "div.u32" in ptx or "rem." in ptx
 
 
+@pytest.mark.parametrize("even, prefetch", [(True, False), (False, True)])
 @pytest.mark.parametrize("bits, group_size", [(4, 128), (8, 32), (4, 4096)])
-def test_wna16_gemv_finds_groups_without_an_integer_division(bits, group_size):
+def test_wna16_gemv_finds_groups_without_an_integer_division(bits, group_size, even, prefetch):
     """The decode GEMV's group index per word row comes from a constexpr group size, so the loop
-    holds no integer division (a runtime divisor cost ~38 of a step's 728 sm_90 instructions)."""
+    holds no integer division (a runtime divisor cost ~38 of a step's 728 sm_90 instructions); with
+    masked loads and with the register prefetch too."""
     from pagedlm.backends.cuda.kernels.wna16_gemv import _gemv_kernel
 
-    ptx = _wna16_ptx(_gemv_kernel, {**GEMV_CONSTEXPRS, "GROUP_SIZE": group_size, "BITS": bits}, GEMV_SIGNATURE)
+    ptx = _wna16_ptx(_gemv_kernel, {**GEMV_CONSTEXPRS, "GROUP_SIZE": group_size, "BITS": bits, "EVEN": even,
+                                    "PREFETCH": prefetch}, GEMV_SIGNATURE)
     assert not _has_integer_division(ptx)
 
 
 GEMV_CONSTEXPRS = {"GROUP_SIZE": 128, "BITS": 4, "HAS_ZEROS": False, "HAS_G_IDX": False, "SPLIT_K": 4, "BLOCK_M": 1,
-                   "BLOCK_N": 64, "KW": 32, "NUM_STAGES": 1, "USE_PDL": True, "EVEN": True}
+                   "BLOCK_N": 64, "KW": 32, "NUM_STAGES": 1, "USE_PDL": True, "EVEN": True, "PREFETCH": False}
 
 
 def _loop_opcodes(sass: str) -> list[str]:
