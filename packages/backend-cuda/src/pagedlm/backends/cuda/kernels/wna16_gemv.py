@@ -93,7 +93,8 @@ def split_k_store(acc, out_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_om, ti
 def _load_step(qw_ptr, s_ptr, z_ptr, kw, rn, N, k_end, n_ok, GROUP_SIZE: tl.constexpr, PACK: tl.constexpr,
                HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, EVEN: tl.constexpr):
     """Word rows ``kw [1, KW, 1]`` x columns ``rn``: the packed words and, without ``g_idx``,
-    their groups' float32 scales and zero points (the scales again in their place otherwise)."""
+    their groups' float32 scales and zero points (with ``g_idx``, whose scales are read per value,
+    and without zero points, unused placeholders the compiler drops)."""
     tile_ok = ((kw < k_end // PACK) | EVEN) & n_ok
     words = tl.load(qw_ptr + kw * N + rn, mask=tile_ok, other=0)  # [1, KW, BLOCK_N]
     s = words.to(tl.float32)
