@@ -48,6 +48,9 @@ WNA16_SIGNATURE = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr"
 
 #: the decode GEMV's extra argument: float32 2**23's bits, in a register
 GEMV_SIGNATURE = {**WNA16_SIGNATURE, "magic": "i32"}
+#: the decode GEMV's Llama-8B-shaped launch at one row
+GEMV_CONSTEXPRS = {"GROUP_SIZE": 128, "BITS": 4, "HAS_ZEROS": False, "HAS_G_IDX": False, "SPLIT_K": 4, "BLOCK_M": 1,
+                   "BLOCK_N": 64, "KW": 32, "NUM_STAGES": 1, "USE_PDL": True, "EVEN": True, "PREFETCH": False}
 
 
 def _wna16_ptx(kernel, constexprs: dict[str, object], signature=WNA16_SIGNATURE) -> str:
@@ -70,10 +73,6 @@ def test_wna16_gemv_finds_groups_without_an_integer_division(bits, group_size, e
     ptx = _wna16_ptx(_gemv_kernel, {**GEMV_CONSTEXPRS, "GROUP_SIZE": group_size, "BITS": bits, "EVEN": even,
                                     "PREFETCH": prefetch}, GEMV_SIGNATURE)
     assert not _has_integer_division(ptx)
-
-
-GEMV_CONSTEXPRS = {"GROUP_SIZE": 128, "BITS": 4, "HAS_ZEROS": False, "HAS_G_IDX": False, "SPLIT_K": 4, "BLOCK_M": 1,
-                   "BLOCK_N": 64, "KW": 32, "NUM_STAGES": 1, "USE_PDL": True, "EVEN": True, "PREFETCH": False}
 
 
 def _loop_opcodes(sass: str) -> list[str]:
