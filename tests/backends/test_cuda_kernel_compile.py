@@ -13,14 +13,15 @@ triton = pytest.importorskip("triton")
 
 
 def _compile_for_sm90(kernel, signature: dict[str, str], constexprs: dict[str, object], num_warps: int = 4,
-                      attrs: dict | None = None):
+                      attrs: dict | None = None, num_stages: int = 3):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = list(signature)
     src = ASTSource(fn=kernel, signature=signature,
                     constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                                          "num_stages": num_stages})
 
 
 @pytest.mark.parametrize("block_m", [1, 4])
@@ -38,6 +39,27 @@ def test_dense_gemv_prefetches_its_weights_before_the_pdl_wait(block_m):
     ptx = _compile_for_sm90(_dense_gemv_kernel, signature, constexprs).asm["ptx"]
     assert "cp.async.bulk.prefetch.L2" in ptx and "griddepcontrol.wait" in ptx
     assert ptx.index("cp.async.bulk.prefetch.L2") < ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+
+
+def test_fp8_rowwise_gemm_runs_on_the_fp8_tensor_cores_for_every_tile_shape():
+    """Each tile shape of the row-wise FP8 GEMM's table compiles for sm_90 to asynchronous
+    warpgroup MMAs on e4m3 operands (not float32 or bf16 copies of them), pipelined through
+    asynchronous copies (without the launch's divisibility of strides by 16, Triton falls back to
+    byte loads and no pipeline)."""
+    from pagedlm.backends.cuda.kernels.fp8_gemm import ROWWISE_TILES, _fp8_rowwise_kernel
+
+    signature = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "bias_ptr": "*bf16",
+                 "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
+                 "stride_om": "i32"}
+    for block_m, block_n, block_k, group_m, num_warps, num_stages in filter(None, ROWWISE_TILES.values()):
+        constexprs = {"HAS_BIAS": False, "EVEN_K": True, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                      "GROUP_M": group_m, "ON_GPU": True, "USE_PDL": True}
+        # the launch's specialisation: every pointer, size and stride but M divisible by 16
+        attrs = {(list(signature).index(n),): [["tt.divisibility", 16]] for n in signature if n != "M"}
+        ptx = _compile_for_sm90(_fp8_rowwise_kernel, {**signature, **dict.fromkeys(constexprs, "constexpr")},
+                                constexprs, num_warps=num_warps, attrs=attrs, num_stages=num_stages).asm["ptx"]
+        assert re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx), (block_m, block_n)
+        assert "cp.async" in ptx, (block_m, block_n)
 
 
 #: the pointer and scalar arguments of both wna16 kernels (the decode GEMV and the GEMM)

@@ -145,6 +145,41 @@ def test_fp8_scaled_mm_matches_reference(static, m, n, k, dtype, device):
     torch.testing.assert_close(out.float().cpu(), ref.float(), atol=tol * ref.float().abs().max().item(), rtol=tol)
 
 
+#: (M, N, K) of the Triton row-wise FP8 GEMM: rows and columns that fill no whole tile, K that
+#: does not tile (K % 128 = 32 and 16: the masked loop), one row, and a down projection's K
+ROWWISE_SHAPES = ([(1, 64, 128), (37, 96, 160), (100, 200, 256)] if INTERPRET
+                  else [(1, 4096, 4096), (77, 6144, 4096), (256, 4096, 14336), (200, 1000, 4112)])
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("m, n, k", ROWWISE_SHAPES)
+def test_fp8_rowwise_mm_matches_reference_for_every_tile_shape(m, n, k, with_bias, device):
+    """The Triton FP8 GEMM with each tile shape of its table (and one that tiles nothing evenly)
+    against float32 products of the same FP8 values: within bf16 rounding plus the FP8 tensor
+    cores' accumulation between promotions."""
+    from pagedlm.backends.cuda.kernels.fp8_gemm import ROWWISE_TILES, fp8_rowwise_mm
+    from pagedlm.core.layers.quantization.utils import quantize_fp8_per_token
+
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    gen = torch.Generator().manual_seed(6)
+    x = (torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 10).to(torch.bfloat16)
+    x_q, x_scale = quantize_fp8_per_token(x, None)
+    w = (torch.randn(n, k, generator=gen) * 0.1).to(torch.float8_e4m3fn)
+    ws = torch.rand(n, generator=gen) * 0.01 + 0.001
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16) if with_bias else None
+    ref = (x_q.float() @ w.float().t()) * x_scale * ws.reshape(1, -1)
+    if bias is not None:
+        ref = ref + bias.float()
+    tol = 1e-2
+    for tiles in [*(t for t in ROWWISE_TILES.values() if t), (16, 32, 32, 2, 2, 2)]:
+        out = fp8_rowwise_mm(x_q.to(device), x_scale.to(device), w.to(device), ws.to(device),
+                             None if bias is None else bias.to(device), torch.bfloat16, tiles)
+        assert out.dtype == torch.bfloat16 and out.shape == (m, n), tiles
+        torch.testing.assert_close(out.float().cpu(), ref, atol=tol * ref.abs().max().item(), rtol=tol,
+                                   msg=lambda text, t=tiles: f"tiles {t}: {text}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("m, k", [(1, 128), (7, 4100), (300, 96)] if INTERPRET

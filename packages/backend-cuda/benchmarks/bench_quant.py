@@ -22,6 +22,11 @@ each shape over its tuning grid (columns per program, word rows per step, progra
 the next step's loads in registers or not) and prints the best setting per shape next to the
 default's. (Pipeline stages through shared memory were in the grid until 2026-12-06 and never
 won.)
+
+``--sweep-fp8`` times the row-wise FP8 GEMM alone at decode-batch row counts (16 to 512):
+``torch._scaled_mm``, the same with its operands swapped, and the Triton kernel of
+``kernels/fp8_gemm.py`` over its tile grid, summed over the four projections; it prints the
+tile table that follows (``--apply`` writes it into that file).
 """
 
 from __future__ import annotations
@@ -134,17 +139,94 @@ def sweep_gemv(dev: torch.device, gen: torch.Generator) -> None:
             print(f"  {t * 1e3:.1f} us ({size / t / 1e6:.0f} GB/s) {tuning}")
 
 
+FP8_SWEEP_ROWS = (16, 64, 128, 256, 512)
+
+
+def sweep_fp8(dev: torch.device, gen: torch.Generator, apply: bool) -> None:
+    """The row-wise FP8 GEMM alone (activations already quantized) per row count, summed over one
+    decoder layer's four projections: ``torch._scaled_mm`` as the op calls it, the same with the
+    operands swapped (``w @ x^T``, transposed back), and the Triton kernel over its tile grid.
+    Prints the best tiles per row count and the :data:`ROWWISE_TILES` they make (None where
+    cuBLASLt is within 3 %); ``apply`` writes that table into ``fp8_gemm.py``."""
+    import re
+    from pathlib import Path
+
+    from triton.runtime.errors import OutOfResources
+
+    from pagedlm.backends.cuda.kernels import fp8_gemm
+
+    grid = [(bm, bn, 128, 8, w, st) for bm in (64, 128) for bn in (64, 128, 256) for w in (4, 8) for st in (3, 4, 5)]
+    table: dict[int, tuple | None] = {}
+    for m in FP8_SWEEP_ROWS:
+        totals: dict[object, float] = {}
+        counts: dict[object, int] = {}
+        for name, n, k in LLAMA_8B:
+            x = torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16)
+            x_q, xs = quantize_rows(x, torch.float8_e4m3fn, None)
+            wf = (torch.randn(n, k, device=dev, generator=gen) * 0.05).to(torch.float8_e4m3fn)
+            ws = torch.rand(n, device=dev, generator=gen) * 0.01 + 1e-3
+            ref = torch._scaled_mm(x_q, wf.t(), scale_a=xs, scale_b=ws.reshape(1, -1), out_dtype=torch.bfloat16)
+            calls: dict[object, Callable[[torch.Tensor], object]] = {
+                "scaled_mm": lambda w, x_q=x_q, xs=xs, ws=ws: torch._scaled_mm(
+                    x_q, w.t(), scale_a=xs, scale_b=ws.reshape(1, -1), out_dtype=torch.bfloat16),
+                "scaled_mm swapped": lambda w, x_q=x_q, xs=xs, ws=ws: torch._scaled_mm(
+                    w, x_q.t(), scale_a=ws.reshape(-1, 1), scale_b=xs.reshape(1, -1),
+                    out_dtype=torch.bfloat16).t().contiguous(),
+            }
+            for tiles in grid:
+                calls[tiles] = lambda w, x_q=x_q, xs=xs, ws=ws, t=tiles: fp8_gemm.fp8_rowwise_mm(
+                    x_q, xs, w, ws, None, torch.bfloat16, t)
+            for key, call in calls.items():
+                try:
+                    if rel_err(call(wf), ref) > 1e-2:
+                        print(f"  M={m} {name}: {key} is WRONG")
+                        continue
+                    t, _ = time_cycled(call, wf, nbytes(wf, ws))
+                except (OutOfResources, RuntimeError) as e:  # a grid point that does not fit (shared memory)
+                    print(f"  M={m} {name}: {key} failed: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                totals[key] = totals.get(key, 0.0) + t
+                counts[key] = counts.get(key, 0) + 1
+            torch.cuda.empty_cache()
+        # only what ran (correctly) at every shape is a candidate for the row count
+        complete = {key: t for key, t in totals.items() if counts[key] == len(LLAMA_8B)}
+        ranked = sorted(((t, key) for key, t in complete.items() if isinstance(key, tuple)), key=lambda i: i[0])
+        base = complete["scaled_mm"]
+        print(f"M={m}: one layer's four projections: scaled_mm {base * 1e3:.1f} us, swapped "
+              f"{complete.get('scaled_mm swapped', float('nan')) * 1e3:.1f} us; best Triton tiles:")
+        for t, key in ranked[:4]:
+            print(f"  {t * 1e3:.1f} us (x{base / t:.2f}) {key}")
+        table[m] = ranked[0][1] if ranked and ranked[0][0] < 0.97 * base else None
+    while table and table[max(table)] is None:  # past the last win, the op's default applies
+        table.pop(max(table))
+    literal = "{\n" + "".join(f"    {m}: {tiles},\n" for m, tiles in sorted(table.items())) + "}"
+    print(f"ROWWISE_TILES = {literal}")
+    if apply:
+        path = Path(fp8_gemm.__file__)
+        source = path.read_text()
+        new = re.sub(r"(ROWWISE_TILES: dict\[int, Tiles \| None\] = )\{.*?\n\}", lambda mt: mt.group(1) + literal,
+                     source, count=1, flags=re.S)
+        path.write_text(new)
+        print(f"written to {path}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="1,16,256", help="comma-separated row counts M (default 1,16,256)")
     parser.add_argument("--full", action="store_true", help="every bit width, group size, zero point and act-order")
     parser.add_argument("--sweep-gemv", action="store_true", help="tune the decode GEMV instead (see above)")
+    parser.add_argument("--sweep-fp8", action="store_true",
+                        help="tune the row-wise FP8 GEMM's tiles per row count instead (see above)")
+    parser.add_argument("--apply", action="store_true", help="with --sweep-fp8: write the table it finds")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     if args.sweep_gemv:
         sweep_gemv(dev, gen)
+        return 0
+    if args.sweep_fp8:
+        sweep_fp8(dev, gen, args.apply)
         return 0
     rows = [int(r) for r in args.rows.split(",")]
     fp8 = torch.cuda.get_device_capability(dev) >= (8, 9)

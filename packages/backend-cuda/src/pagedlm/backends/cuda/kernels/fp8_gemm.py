@@ -1,0 +1,121 @@
+"""Row-wise scaled FP8 GEMM in Triton, for the row counts of a decode batch.
+
+``torch._scaled_mm`` with row-wise scales runs one cuBLASLt kernel with 128 x 128 output tiles
+at every row count (the only FP8 kernel in a profile of Llama-3.1-8B's fixed 256 x 512/512
+workload, H100, 2026-12-06). At 256 rows a 4096-wide weight (the o and down projections) is then
+64 tiles: half of an H100's 132 SMs idle while the weight streams through the others. Here the
+tile shape is chosen per row count (:data:`ROWWISE_TILES`, measured by ``bench_quant.py
+--sweep-fp8``), so a batch of a few hundred rows spreads over every SM; larger batches (prefills)
+keep cuBLASLt, which is faster there.
+
+The numerics are ``torch._scaled_mm``'s: FP8 x FP8 products summed on the tensor cores, promoted
+to float32 after each ``BLOCK_K`` slice (Hopper's FP8 MMAs keep fewer accumulator bits than
+float32; cuBLASLt promotes likewise), then ``acc * x_scale[m] * w_scale[n]`` (+ bias) in float32,
+rounded once to the output dtype.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedlm.backends.cuda.kernels.launch import launch, pdl_options, pdl_wait
+
+__all__ = ["ROWWISE_TILES", "fp8_rowwise_mm", "rowwise_tiles"]
+
+# The interpreter's FP8 dots are inexact (numpy); there the tiles are multiplied as float32
+# copies of the same FP8 values. Never set on a GPU.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+Tiles = tuple[int, int, int, int, int, int]
+#: ``max rows -> (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)``, or None for
+#: ``torch._scaled_mm``: the first entry whose bound is at least M applies, and M above every
+#: bound takes ``torch._scaled_mm`` too. ``bench_quant.py --sweep-fp8 --apply`` rewrites it.
+ROWWISE_TILES: dict[int, Tiles | None] = {
+    64: (64, 64, 128, 8, 4, 5),
+    128: (64, 128, 128, 8, 4, 4),
+    256: (128, 64, 128, 8, 4, 4),
+}
+
+
+@triton.jit
+def _fp8_rowwise_kernel(
+    xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ON_GPU: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """``out [M, N] = (xq [M, K] @ w[N, K]^T) * xs[M] * ws[N] (+ bias)``, one output tile a program.
+
+    Programs are numbered column tile by column tile, ``GROUP_M`` row tiles at a time, so the
+    programs that read one weight tile run together and it comes from HBM once."""
+    pdl_wait(USE_PDL)
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_here = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows_here
+    pid_n = (pid % per_group) // rows_here
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    # NOTE: rows and columns past the edge load row / column 0 instead of being masked (their
+    # results are never stored), so only K needs a mask, and only when it does not tile evenly
+    a_ptrs = xq_ptr + (rm % M).to(tl.int64)[:, None] * stride_xm + rk[None, :]
+    b_ptrs = w_ptr + (rn % N).to(tl.int64)[:, None] * stride_wn + rk[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = (k0 + rk) < K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
+        if ON_GPU:
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    m_ok = rm < M
+    n_ok = rn < N
+    xs = tl.load(xs_ptr + rm, mask=m_ok, other=0.0)
+    ws = tl.load(ws_ptr + rn, mask=n_ok, other=0.0)
+    acc = acc * xs[:, None] * ws[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def rowwise_tiles(m: int) -> Tiles | None:
+    """The :data:`ROWWISE_TILES` entry for ``m`` rows, or None (then ``torch._scaled_mm``)."""
+    bound = min((b for b in ROWWISE_TILES if b >= m), default=None)
+    return None if bound is None else ROWWISE_TILES[bound]
+
+
+def fp8_rowwise_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   bias: torch.Tensor | None, out_dtype: torch.dtype, tiles: Tiles | None = None) -> torch.Tensor:
+    """``x_q [M, K]`` float8_e4m3fn (row-major), ``x_scale [M, 1]`` float32, ``weight [N, K]``
+    float8_e4m3fn (row-major), ``weight_scale [N]`` float32 -> ``[M, N]`` in ``out_dtype``.
+
+    ``tiles`` overrides :func:`rowwise_tiles` (the sweep's candidates); K must be a multiple of 16
+    (FP8 rows of 16-byte-aligned starts, as for ``torch._scaled_mm``)."""
+    m, k = x_q.shape
+    n = weight.shape[0]
+    block_m, block_n, block_k, group_m, num_warps, num_stages = tiles or rowwise_tiles(m) or (64, 64, 128, 8, 4, 4)
+    out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    launch(_fp8_rowwise_kernel, grid, x_q, x_scale, weight, weight_scale, bias if bias is not None else x_scale,
+           out, m, n, k, x_q.stride(0), weight.stride(0), out.stride(0),
+           HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+           GROUP_M=group_m, ON_GPU=not INTERPRET, num_warps=num_warps, num_stages=num_stages,
+           **pdl_options(x_q.device))
+    return out
