@@ -142,7 +142,7 @@ def sweep_gemv(dev: torch.device, gen: torch.Generator) -> None:
 FP8_SWEEP_ROWS = (16, 64, 128, 256, 512)
 
 
-def sweep_fp8(dev: torch.device, gen: torch.Generator, apply: bool) -> None:
+def sweep_fp8(dev: torch.device, gen: torch.Generator, apply: bool, rows: tuple[int, ...] | list[int]) -> None:
     """The row-wise FP8 GEMM alone (activations already quantized) per row count, summed over one
     decoder layer's four projections: ``torch._scaled_mm`` as the op calls it, the same with the
     operands swapped (``w @ x^T``, transposed back), and the Triton kernel over its tile grid.
@@ -157,7 +157,7 @@ def sweep_fp8(dev: torch.device, gen: torch.Generator, apply: bool) -> None:
 
     grid = [(bm, bn, 128, 8, w, st) for bm in (64, 128) for bn in (64, 128, 256) for w in (4, 8) for st in (3, 4, 5)]
     table: dict[int, tuple | None] = {}
-    for m in FP8_SWEEP_ROWS:
+    for m in rows:
         totals: dict[object, float] = {}
         counts: dict[object, int] = {}
         for name, n, k in LLAMA_8B:
@@ -212,7 +212,8 @@ def sweep_fp8(dev: torch.device, gen: torch.Generator, apply: bool) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", default="1,16,256", help="comma-separated row counts M (default 1,16,256)")
+    parser.add_argument("--rows", default=None,
+                        help="comma-separated row counts M (default 1,16,256; with --sweep-fp8 16,64,128,256,512)")
     parser.add_argument("--full", action="store_true", help="every bit width, group size, zero point and act-order")
     parser.add_argument("--sweep-gemv", action="store_true", help="tune the decode GEMV instead (see above)")
     parser.add_argument("--sweep-fp8", action="store_true",
@@ -226,9 +227,9 @@ def main() -> int:
         sweep_gemv(dev, gen)
         return 0
     if args.sweep_fp8:
-        sweep_fp8(dev, gen, args.apply)
+        sweep_fp8(dev, gen, args.apply, [int(r) for r in args.rows.split(",")] if args.rows else FP8_SWEEP_ROWS)
         return 0
-    rows = [int(r) for r in args.rows.split(",")]
+    rows = [int(r) for r in (args.rows or "1,16,256").split(",")]
     fp8 = torch.cuda.get_device_capability(dev) >= (8, 9)
     results, failures = [], []
     print(f"device: {torch.cuda.get_device_name(dev)}, capability {torch.cuda.get_device_capability(dev)}")

@@ -54,8 +54,12 @@ def pagedlm_register_ops(register: Callable[..., None]) -> None:
     # table lists, F.linear for the others.
     register("unquantized_gemm", "cuda", "pagedlm.backends.cuda.kernels.dense_gemv:unquantized_gemm")
     # Quantized GEMMs (kernels/quant_gemm.py): Triton W4A16/W8A16, torch._scaled_mm FP8, torch._int_mm INT8.
-    for op in ("wna16_gemm", "fp8_scaled_mm", "int8_scaled_mm"):
+    for op in ("wna16_gemm", "fp8_scaled_mm", "int8_scaled_mm", "fp8_quantized_mm"):
         register(op, "cuda", f"pagedlm.backends.cuda.kernels.quant_gemm:{op}")
+    # The FP8 linear layers' per-token quantization fused into the ops producing their inputs
+    # (kernels/norm_quant.py): the same bytes as the unfused op followed by quant_act.quantize_rows.
+    for op in ("rms_norm_fp8_quant", "fused_add_rms_norm_fp8_quant", "silu_and_mul_fp8_quant"):
+        register(op, "cuda", f"pagedlm.backends.cuda.kernels.norm_quant:{op}")
     # Block-wise FP8 (kernels/fp8_block.py): group-quantized activations, a block-scaled FP8 GEMM.
     register("fp8_block_scaled_mm", "cuda", "pagedlm.backends.cuda.kernels.fp8_block:fp8_block_scaled_mm")
     register("fused_experts", "cuda", "pagedlm.backends.cuda.kernels.fused_moe:fused_experts")

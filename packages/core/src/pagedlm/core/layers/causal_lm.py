@@ -10,7 +10,10 @@ from torch import nn
 
 from pagedlm.core.distributed import IntermediateTensors, get_pp_group
 from pagedlm.core.layers.layernorm import RMSNorm
+from pagedlm.core.layers.linear import takes_fp8_activations
+from pagedlm.core.layers.mlp import FP8_FUSION_DTYPES, GatedMLP
 from pagedlm.core.layers.pipeline import PPMissingLayer, is_pp_missing, make_layers
+from pagedlm.core.layers.quantization.utils import QuantizedActivation
 from pagedlm.core.layers.vocab_embedding import LogitsProcessor, ParallelLMHead, VocabParallelEmbedding
 
 
@@ -83,24 +86,56 @@ class PreNormDecoderLayer(nn.Module):
     The residual stream is carried separately so each norm fuses the add before it:
     ``forward(positions [T], hidden [T, H], residual) -> (hidden, residual)``, the block's true
     output being ``hidden + residual``.
+
+    FP8 with dynamic per-token activations: a norm whose consumer takes a
+    :class:`QuantizedActivation` (``self_attn.qkv_proj``, a :class:`GatedMLP`'s ``gate_up_proj``:
+    :func:`takes_fp8_activations`) quantizes its output for it in its own pass, in bf16/fp16
+    models; the result is bit for bit the unfused one. The attention side needs the attention
+    class to declare ``forwards_hidden_to_qkv_proj = True``: its forward hands ``hidden_states``
+    to ``self.qkv_proj`` untouched (a quantized input supports nothing else). Decided at the
+    first forward, once LoRA has wrapped whichever layers it adapts.
     """
 
     input_layernorm: RMSNorm
     post_attention_layernorm: RMSNorm
     self_attn: nn.Module
     mlp: nn.Module
+    #: ``(quantize for qkv_proj, quantize for the MLP)``, set at the first forward
+    _fp8_fusion: tuple[bool, bool] | None = None
+
+    def _decide_fp8_fusion(self, dtype: torch.dtype) -> tuple[bool, bool]:
+        if dtype not in FP8_FUSION_DTYPES:
+            return False, False
+
+        def fusable(norm: nn.Module, consumer: nn.Module | None) -> bool:
+            return isinstance(norm, RMSNorm) and consumer is not None and takes_fp8_activations(consumer)
+
+        attn = self.self_attn
+        qkv = getattr(attn, "qkv_proj", None) if getattr(attn, "forwards_hidden_to_qkv_proj", False) else None
+        gate_up = self.mlp.gate_up_proj if isinstance(self.mlp, GatedMLP) else None
+        return fusable(self.input_layernorm, qkv), fusable(self.post_attention_layernorm, gate_up)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._fp8_fusion is None:
+            self._fp8_fusion = self._decide_fp8_fusion(hidden_states.dtype)
+        quant_qkv, quant_mlp = self._fp8_fusion
+        normed: torch.Tensor | QuantizedActivation
         if residual is None:
             residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
+            normed = (self.input_layernorm(hidden_states, quant_fp8=True) if quant_qkv
+                      else self.input_layernorm(hidden_states))
+        elif quant_qkv:
+            normed, residual = self.input_layernorm(hidden_states, residual, quant_fp8=True)
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+            normed, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, normed)
+        if quant_mlp:
+            normed, residual = self.post_attention_layernorm(hidden_states, residual, quant_fp8=True)
+        else:
+            normed, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(normed), residual
 
 
 class DecoderModel(nn.Module):

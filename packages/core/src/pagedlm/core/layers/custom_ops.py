@@ -15,7 +15,8 @@ built outside :func:`use_ops` (most unit tests) runs core's torch code.
 Op names: :data:`OP_CONTRACTS` holds the contracts core's layers call; a change that adds a core
 op (a quantized GEMM, LoRA shrink/expand; ``fused_experts`` came with API 1.1, its quantized
 variants with 1.3, ``unquantized_gemm`` with 1.6, the Gemma norms with 1.8,
-``fp8_block_scaled_mm`` with 1.9) adds its contract there and bumps the minor ``API_VERSION``.
+``fp8_block_scaled_mm`` with 1.9, the producers fused with FP8 quantization and
+``fp8_quantized_mm`` with 1.10) adds its contract there and bumps the minor ``API_VERSION``.
 A plugin's own layers may call ops of their own under a dotted name (``"myplugin.fused_gate"``),
 whose contract that plugin documents; any other name is an error.
 """
@@ -69,6 +70,24 @@ OP_CONTRACTS: Mapping[str, str] = MappingProxyType({
         "normalised as gemma_rms_norm (Gemma 3's q/k norm); new tensors (API 1.8)."
     ),
     "silu_and_mul": "fn(x [..., 2I]) -> silu(x[..., :I]) * x[..., I:], [..., I] in x's dtype; a new tensor.",
+    # Producers fused with the per-token FP8 quantization of the next linear layer's input (API 1.10).
+    # NOTE: each must give exactly the bytes of quantize_fp8_per_token (pagedlm.core.layers.quantization
+    # .utils: scale = max(amax(|row|) / 448, 1e-12) and x / scale, both IEEE float32 divisions; clamp to
+    # +-448; round to nearest even) applied to what the platform's unfused op returns (its rms_norm /
+    # fused_add_rms_norm / silu_and_mul, or core's torch code where it registers none), so the fusion
+    # changes no result. Without them a layer quantizes the unfused op's output with that function.
+    "rms_norm_fp8_quant": (
+        "fn(x [T, N] (rows may be strided, last dim contiguous) float16/bfloat16, weight [N], eps) -> (x_q [T, N] "
+        "float8_e4m3fn, scale [T, 1] float32): quantize_fp8_per_token(rms_norm(x, weight, eps)); new tensors."
+    ),
+    "fused_add_rms_norm_fp8_quant": (
+        "fn(x [T, N], residual [T, N], weight [N], eps) -> (x_q, scale, s): quantize_fp8_per_token of "
+        "fused_add_rms_norm's normalised output, and its s = x + residual in x's dtype; new tensors."
+    ),
+    "silu_and_mul_fp8_quant": (
+        "fn(x [T, 2I] float16/bfloat16) -> (x_q [T, I] float8_e4m3fn, scale [T, 1] float32): "
+        "quantize_fp8_per_token(silu_and_mul(x)); new tensors."
+    ),
     "gumbel_sample": (
         "fn(logits [B, V] any float dtype, temperature [B] float32, seed: int, offset: int) -> [B] "
         "int64: row i drawn from softmax(logits[i] / temperature[i]) (divided in float32; -inf "
@@ -103,6 +122,14 @@ OP_CONTRACTS: Mapping[str, str] = MappingProxyType({
         "input_scale [1] float32 | None, bias [N] | None) -> [T, N] in x's dtype: x quantized to float8_e4m3fn "
         "with input_scale, or per token with scale amax(|x_t|) / 448 when None (values divided by the scale, "
         "clamped to +-448), then (x_q @ weight^T) * x_scale * weight_scale in float32, plus bias."
+    ),
+    "fp8_quantized_mm": (
+        "fn(x_q [M, K] float8_e4m3fn, x_scale [M, 1] float32, weight [N, K] float8_e4m3fn, weight_scale [N] "
+        "float32, bias [N] | None, out_dtype: torch.dtype) -> [M, N] in out_dtype: fp8_scaled_mm on activations "
+        "already quantized (the producer ops below), (x_q @ weight^T) * x_scale * weight_scale in float32, plus "
+        "bias. NOTE: for the fused producers to change no result, fp8_scaled_mm(x, ...) must equal this op on "
+        "quantize_fp8_per_token(x) bit for bit on a platform that registers both; a layer hands it pre-quantized "
+        "inputs only where the platform registers both or neither (API 1.10)."
     ),
     "fp8_block_scaled_mm": (
         "fn(x [T, K] float16/bfloat16/float32, weight [N, K] float8_e4m3fn, weight_scale [ceil(N / block_n), "

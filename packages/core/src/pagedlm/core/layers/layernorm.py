@@ -2,7 +2,9 @@
 
 :func:`rms_norm_reference` and :func:`gemma_rms_norm_reference` are the arithmetic the layers run
 when the platform registered no op (``rms_norm`` / ``gemma_rms_norm``): HF's op sequence, which a
-platform's kernel must reproduce rounding for rounding.
+platform's kernel must reproduce rounding for rounding. :class:`RMSNorm` can also hand the next
+FP8 linear layer its input quantized per token (``quant_fp8=True``; ops ``rms_norm_fp8_quant`` /
+``fused_add_rms_norm_fp8_quant``).
 """
 
 from __future__ import annotations
@@ -11,12 +13,20 @@ import torch
 from torch import nn
 
 from pagedlm.core.layers.custom_ops import bound_op
+from pagedlm.core.layers.quantization.utils import QuantizedActivation, quantize_fp8_per_token
 from pagedlm.core.model_loader.weight_utils import (
     default_weight_loader,
     set_weight_attrs,
 )
 
-__all__ = ["GemmaRMSNorm", "RMSNorm", "gemma_rms_norm_reference", "rms_norm_reference"]
+__all__ = [
+    "GemmaRMSNorm",
+    "RMSNorm",
+    "fused_add_rms_norm_fp8_quant_reference",
+    "gemma_rms_norm_reference",
+    "rms_norm_fp8_quant_reference",
+    "rms_norm_reference",
+]
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -25,6 +35,22 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     variance = h.pow(2).mean(-1, keepdim=True)
     h = h * torch.rsqrt(variance + eps)
     return weight * h.to(x.dtype)
+
+
+def rms_norm_fp8_quant_reference(x: torch.Tensor, weight: torch.Tensor,
+                                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``rms_norm_fp8_quant`` op in torch: ``x [T, N]`` -> ``(x_q [T, N] float8_e4m3fn, scale
+    [T, 1] float32)``, :func:`rms_norm_reference` then ``quantize_fp8_per_token``."""
+    return quantize_fp8_per_token(rms_norm_reference(x, weight, eps))
+
+
+def fused_add_rms_norm_fp8_quant_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``fused_add_rms_norm_fp8_quant`` op in torch: ``(x_q, scale, s)`` with ``s = x + residual``
+    in x's dtype and ``(x_q, scale)`` :func:`rms_norm_fp8_quant_reference` of ``s``."""
+    summed = x + residual
+    return (*rms_norm_fp8_quant_reference(summed, weight, eps), summed)
 
 
 def gemma_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,6 +68,11 @@ class RMSNorm(nn.Module):
     ``forward(x, residual)`` first forms ``s = x + residual`` and returns ``(norm(s), s)``, so a
     decoder layer can hand the running residual stream to the next norm without a separate add.
 
+    With ``quant_fp8=True`` (``x [T, hidden]``) the normed output comes back as a
+    :class:`QuantizedActivation` instead, quantized per token to FP8 (in the same pass where the
+    platform registered ``rms_norm_fp8_quant`` / ``fused_add_rms_norm_fp8_quant``): exactly the
+    bytes an FP8 linear layer would make of the tensor.
+
     NOTE: the arithmetic follows HF's LlamaRMSNorm step by step (normalise in float32, cast back
     to the input dtype, then multiply by the weight in that dtype); reordering it changes bf16
     results by an ulp and breaks greedy-token parity with transformers.
@@ -56,13 +87,18 @@ class RMSNorm(nn.Module):
         # the platform's kernels, if it registered them (layers.custom_ops); bound once, at build
         self._rms_norm_op = bound_op("rms_norm")
         self._fused_add_rms_norm_op = bound_op("fused_add_rms_norm")
+        self._rms_norm_quant_op = bound_op("rms_norm_fp8_quant")
+        self._fused_add_rms_norm_quant_op = bound_op("fused_add_rms_norm_fp8_quant")
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm_reference(x, self.weight, self.variance_epsilon)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, *, quant_fp8: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | QuantizedActivation | tuple[QuantizedActivation,
+                                                                                         torch.Tensor]:
+        if quant_fp8:
+            return self._forward_fp8(x, residual)
         if residual is None:
             if self._rms_norm_op is not None:
                 return self._rms_norm_op(x, self.weight, self.variance_epsilon)
@@ -72,6 +108,25 @@ class RMSNorm(nn.Module):
         # HF adds the residual in the model dtype before normalising; do the same.
         summed = x + residual
         return self._norm(summed), summed
+
+    def _forward_fp8(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> QuantizedActivation | tuple[QuantizedActivation, torch.Tensor]:
+        eps = self.variance_epsilon
+        if residual is None:
+            if self._rms_norm_quant_op is not None:
+                x_q, scale = self._rms_norm_quant_op(x, self.weight, eps)
+            else:
+                # NOTE: the unfused op's output quantized (the platform's op, if it registered one):
+                # the bytes the fused op's contract defines
+                x_q, scale = quantize_fp8_per_token(self.forward(x))
+            return QuantizedActivation(x_q, scale, x.dtype)
+        if self._fused_add_rms_norm_quant_op is not None:
+            x_q, scale, summed = self._fused_add_rms_norm_quant_op(x, residual, self.weight, eps)
+        else:
+            normed, summed = self.forward(x, residual)
+            x_q, scale = quantize_fp8_per_token(normed)
+        return QuantizedActivation(x_q, scale, x.dtype), summed
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.variance_epsilon}"

@@ -17,7 +17,9 @@ full checkpoint tensor (or, for merged layers, one of the stacked tensors named 
 Quantization: a layer built with ``quant_config`` asks it for its quantize method by ``prefix``
 (the module path, e.g. ``model.layers.0.mlp.gate_up_proj``); the method creates the parameters
 as the checkpoint stores them (with their TP sharding described by parameter attributes, see
-:class:`LinearBase`) and computes the forward (``quant_method.apply``).
+:class:`LinearBase`) and computes the forward (``quant_method.apply``). A layer whose method takes
+pre-quantized FP8 activations (:func:`takes_fp8_activations`) passes a
+:class:`~pagedlm.core.layers.quantization.utils.QuantizedActivation` input to it unchanged.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from pagedlm.core.layers.quantization.base_config import (
     QuantizeMethodBase,
     UnquantizedLinearMethod,
 )
+from pagedlm.core.layers.quantization.utils import QuantizedActivation
 from pagedlm.core.model_loader.weight_utils import set_weight_attrs
 
 __all__ = [
@@ -51,6 +54,7 @@ __all__ = [
     "load_param_shard",
     "maybe_prefix",
     "set_attention_heads",
+    "takes_fp8_activations",
 ]
 
 
@@ -241,7 +245,7 @@ class ReplicatedLinear(LinearBase):
         super().__init__(input_size, output_size, bias, params_dtype, prefix, quant_config)
         self._create_params(output_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
 
 
@@ -281,7 +285,7 @@ class ColumnParallelLinear(LinearBase):
         size = self.output_size_per_partition
         return 0, size, self.tp_rank * size, 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         out = self.quant_method.apply(self, x, self.bias)
         if self.gather_output and self.tp_size > 1:
             out = tensor_model_parallel_all_gather(out, dim=-1)
@@ -423,8 +427,10 @@ class RowParallelLinear(LinearBase):
             raise ValueError(f"{self.prefix}: RowParallelLinear takes no shard_id (got {shard_id!r})")
         return 0, self.output_size, 0, 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         if not self.input_is_parallel and self.tp_size > 1:
+            # NOTE: never a QuantizedActivation (takes_fp8_activations says no to this layer)
+            assert isinstance(x, torch.Tensor)
             size = self.input_size_per_partition
             x = x.narrow(-1, self.tp_rank * size, size)
         if self.tp_size == 1:
@@ -438,3 +444,13 @@ class RowParallelLinear(LinearBase):
         if self.bias is not None and self.reduce_results:
             out = out + self.bias
         return out
+
+
+def takes_fp8_activations(module: nn.Module) -> bool:
+    """Whether ``module(x)`` may be given ``x`` as a :class:`QuantizedActivation` (``[T, K]``): a
+    linear layer of this module (not wrapped, e.g. by LoRA, whose update needs the tensor) whose
+    quant method accepts it, and that slices no input itself (a row-parallel layer fed the
+    whole input)."""
+    if not isinstance(module, LinearBase) or not getattr(module.quant_method, "accepts_fp8_activations", False):
+        return False
+    return not (isinstance(module, RowParallelLinear) and not module.input_is_parallel and module.tp_size > 1)

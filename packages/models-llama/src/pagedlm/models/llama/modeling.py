@@ -38,6 +38,10 @@ SKIPPED_WEIGHTS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.s
 class LlamaAttention(nn.Module):
     """``hidden [T, hidden] -> [T, hidden]``: qkv projection, rotary, paged attention, o_proj."""
 
+    #: forward hands hidden_states to qkv_proj untouched, so the input norm may quantize it
+    #: (PreNormDecoderLayer, FP8 activations)
+    forwards_hidden_to_qkv_proj = True
+
     def __init__(self, config: Any, prefix: str, sliding_window: int | None = None,
                  quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()

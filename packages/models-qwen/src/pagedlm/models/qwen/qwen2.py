@@ -55,6 +55,10 @@ class Qwen2Attention(nn.Module):
     Subclasses change the biases and may normalise q/k in :meth:`_position_qk`.
     """
 
+    #: forward hands hidden_states to qkv_proj untouched, so the input norm may quantize it
+    #: (PreNormDecoderLayer, FP8 activations)
+    forwards_hidden_to_qkv_proj = True
+
     def _biases(self, config: Any) -> tuple[bool, bool]:
         """(q/k/v bias, o_proj bias)."""
         return True, False

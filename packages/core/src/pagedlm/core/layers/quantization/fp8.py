@@ -13,6 +13,10 @@
   ``amax / 448`` (taken over the whole checkpoint tensor, so every tensor-parallel rank quantizes
   alike) kept per output row, so peak memory stays near the FP8 size. Activations are quantized
   dynamically per token.
+
+Dynamic per-token activations may arrive already quantized by the norm or SiLU-and-mul that
+produced them (``W8A8LinearMethod.accepts_fp8_activations``; ``PreNormDecoderLayer``), bit for bit
+what the layer would have made of them.
 """
 
 from __future__ import annotations

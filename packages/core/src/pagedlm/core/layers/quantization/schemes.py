@@ -1,5 +1,6 @@
 """The linear methods every format converts to: integer weight-only (``wna16_gemm``) and 8-bit
-weights with 8-bit activations (``fp8_scaled_mm``, ``int8_scaled_mm``).
+weights with 8-bit activations (``fp8_scaled_mm``, ``int8_scaled_mm``; ``fp8_quantized_mm`` for
+an input its producer already quantized, a :class:`~.utils.QuantizedActivation`).
 
 A format's method subclasses one of them: it registers the parameters its checkpoints store
 (``create_weights``) and says how to read them back as plain integers and scales
@@ -22,7 +23,9 @@ from pagedlm.core.layers import custom_ops
 from pagedlm.core.layers.quantization.base_config import LinearMethodBase, set_param_attrs
 from pagedlm.core.layers.quantization.utils import (
     FP8_DTYPE,
+    QuantizedActivation,
     fp8_block_scaled_mm_ref,
+    fp8_quantized_mm_ref,
     fp8_scaled_mm_ref,
     int8_scaled_mm_ref,
     int8_weight_only_gemm_ref,
@@ -181,6 +184,10 @@ class W8A8LinearMethod(LinearMethodBase):
 
     After loading the layer holds ``weight``, ``weight_scale [N_r] float32`` and ``input_scale``
     (``[1]`` float32, or None when dynamic).
+
+    FP8 with dynamic per-token activations also takes ``x`` as a :class:`QuantizedActivation`
+    (:attr:`accepts_fp8_activations`): the input its producer quantized in its own pass, which
+    ``fp8_quantized_mm`` multiplies with the same result ``fp8_scaled_mm`` gives the tensor.
     """
 
     def __init__(self, *, kind: str, per_channel: bool, static_input: bool, act_quant: bool = True) -> None:
@@ -192,7 +199,14 @@ class W8A8LinearMethod(LinearMethodBase):
         self.act_quant = act_quant
         self.weight_dtype = FP8_DTYPE if kind == "fp8" else torch.int8
         name = "fp8_scaled_mm" if kind == "fp8" else "int8_scaled_mm"
-        self.op = custom_ops.bound_op(name) or (fp8_scaled_mm_ref if kind == "fp8" else int8_scaled_mm_ref)
+        bound = custom_ops.bound_op(name)
+        self.op = bound or (fp8_scaled_mm_ref if kind == "fp8" else int8_scaled_mm_ref)
+        quantized = custom_ops.bound_op("fp8_quantized_mm")
+        self.quantized_op = quantized or fp8_quantized_mm_ref
+        #: whether apply takes a QuantizedActivation: FP8 dynamic per token, with fp8_quantized_mm
+        #: and fp8_scaled_mm both the platform's or both torch (so the products are the same)
+        self.accepts_fp8_activations = (kind == "fp8" and self.act_quant and not self.static_input
+                                        and (bound is None) == (quantized is None))
         #: int8 weights without activation quantization (W8A16)
         self.weight_only_op = ((custom_ops.bound_op("int8_weight_only_gemm") or int8_weight_only_gemm_ref)
                                if kind == "int8" and not act_quant else None)
@@ -227,7 +241,11 @@ class W8A8LinearMethod(LinearMethodBase):
         replace_params(layer, ["weight_scale", "input_scale"],
                        {"weight_scale": scale.reshape(-1), "input_scale": input_scale})
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedActivation,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(x, QuantizedActivation):
+            assert self.accepts_fp8_activations, f"{type(self).__name__}: no pre-quantized input here"
+            return self.quantized_op(x.x_q, x.scale, layer.weight, layer.weight_scale, bias, x.dtype)
         if self.weight_only_op is not None:
             out = self.weight_only_op(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale, bias)
             return out.reshape(*x.shape[:-1], out.shape[-1])

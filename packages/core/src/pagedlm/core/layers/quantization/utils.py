@@ -15,14 +15,18 @@ after loading to one layout, the one the ``wna16_gemm`` op reads (GPTQ's, K-majo
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 __all__ = [
     "AWQ_PACK_ORDER",
     "FP8_DTYPE",
     "FP8_MAX",
+    "QuantizedActivation",
     "fp8_block_dequantize",
     "fp8_block_scaled_mm_ref",
+    "fp8_quantized_mm_ref",
     "fp8_scaled_mm_ref",
     "int8_scaled_mm_ref",
     "int8_weight_only_gemm_ref",
@@ -119,14 +123,42 @@ def quantize_fp8_per_token(x: torch.Tensor, scale: torch.Tensor | None = None) -
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.float()
 
 
-def fp8_scaled_mm_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      input_scale: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The ``fp8_scaled_mm`` op in torch (float32 products of the fp8 values)."""
-    x_q, x_scale = quantize_fp8_per_token(x.reshape(-1, x.shape[-1]), input_scale)
+class QuantizedActivation(NamedTuple):
+    """A linear layer's input already quantized to FP8 per token by the op that produced it (a
+    norm or SiLU-and-mul fused with the quantization): what an FP8 linear method with dynamic
+    per-token activations takes instead of a tensor (``accepts_fp8_activations``).
+
+    NOTE: ``x_q`` and ``scale`` are exactly ``quantize_fp8_per_token`` of the producer's output
+    rounded to ``dtype`` (on the platform's kernels: of its unfused op's output), so the layer's
+    result is bit for bit the one it gives the unquantized tensor.
+    """
+
+    #: ``[T, K]`` float8_e4m3fn
+    x_q: torch.Tensor
+    #: ``[T, 1]`` float32, ``max(amax(|row|) / 448, 1e-12)``
+    scale: torch.Tensor
+    #: the model dtype the layer's output takes (the dtype the producer rounded to)
+    dtype: torch.dtype
+
+
+def fp8_quantized_mm_ref(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                         weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The ``fp8_quantized_mm`` op in torch: ``x_q [M, K]`` float8 with row scales ``x_scale [M, 1]``
+    times ``weight [N, K]`` float8 with ``weight_scale [N]`` -> ``[M, N]`` in ``out_dtype`` (float32
+    products of the fp8 values, plus bias, rounded once)."""
     out = (x_q.float() @ weight.float().t()) * x_scale * weight_scale.float().reshape(1, -1)
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    return out.to(out_dtype)
+
+
+def fp8_scaled_mm_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      input_scale: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``fp8_scaled_mm`` op in torch: :func:`quantize_fp8_per_token`, then
+    :func:`fp8_quantized_mm_ref`."""
+    x_q, x_scale = quantize_fp8_per_token(x.reshape(-1, x.shape[-1]), input_scale)
+    out = fp8_quantized_mm_ref(x_q, x_scale, weight, weight_scale, bias, x.dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def quantize_fp8_per_group(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
