@@ -62,6 +62,39 @@ def test_fp8_rowwise_gemm_runs_on_the_fp8_tensor_cores_for_every_tile_shape():
         assert "cp.async" in ptx, (block_m, block_n)
 
 
+def test_fp8_rowwise_gemm_takes_only_the_products_cublas_tiles_leave_sms_idle():
+    """Llama-3.1-8B at 256 rows on 132 SMs: the 4096- and 6144-wide weights (64 and 96 of
+    cuBLASLt's 128 x 128 tiles) take the Triton kernel, gate_up (448 tiles) and prefills keep
+    cuBLASLt, as do row counts past the table."""
+    from pagedlm.backends.cuda.kernels.fp8_gemm import ROWWISE_TILES, rowwise_tiles
+
+    largest = max(ROWWISE_TILES)
+    assert rowwise_tiles(largest, 4096, 132) == ROWWISE_TILES[largest]
+    assert rowwise_tiles(1, 6144, 132) == ROWWISE_TILES[min(ROWWISE_TILES)]
+    assert rowwise_tiles(256, 28672, 132) is None
+    assert rowwise_tiles(16384, 4096, 132) is None
+    assert rowwise_tiles(largest + 1, 128, 132) is None
+
+
+@pytest.mark.parametrize("has_residual", [False, True])
+def test_norm_and_silu_fp8_quantization_kernels_compile_with_ieee_division(has_residual):
+    """The producers fused with the FP8 activation quantization compile for sm_90 and divide by
+    the scale with IEEE division (``div.rn``), as the unfused quantization and core's reference do."""
+    from pagedlm.backends.cuda.kernels.norm_quant import _rms_norm_quant_kernel, _silu_and_mul_quant_kernel
+
+    norm = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+            "sum_ptr": "*bf16", "stride_x": "i32", "stride_r": "i32", "eps": "fp32"}
+    constexprs = {"N": 4096, "BLOCK": 4096, "HAS_RESIDUAL": has_residual, "USE_PDL": True}
+    ptx = _compile_for_sm90(_rms_norm_quant_kernel, {**norm, **dict.fromkeys(constexprs, "constexpr")}, constexprs,
+                            num_warps=8).asm["ptx"]
+    assert "div.rn.f32" in ptx and "griddepcontrol.wait" in ptx
+    silu = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "stride_x": "i32", "inter": "i32"}
+    constexprs = {"BLOCK": 4096, "USE_PDL": True}
+    ptx = _compile_for_sm90(_silu_and_mul_quant_kernel, {**silu, **dict.fromkeys(constexprs, "constexpr")},
+                            constexprs, num_warps=8).asm["ptx"]
+    assert "div.rn.f32" in ptx
+
+
 #: the pointer and scalar arguments of both wna16 kernels (the decode GEMV and the GEMM)
 WNA16_SIGNATURE = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "g_ptr": "*i32",
                    "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",

@@ -143,11 +143,12 @@ FP8_SWEEP_ROWS = (16, 64, 128, 256, 512)
 
 
 def sweep_fp8(dev: torch.device, gen: torch.Generator, apply: bool, rows: tuple[int, ...] | list[int]) -> None:
-    """The row-wise FP8 GEMM alone (activations already quantized) per row count, summed over one
-    decoder layer's four projections: ``torch._scaled_mm`` as the op calls it, the same with the
-    operands swapped (``w @ x^T``, transposed back), and the Triton kernel over its tile grid.
-    Prints the best tiles per row count and the :data:`ROWWISE_TILES` they make (None where
-    cuBLASLt is within 3 %); ``apply`` writes that table into ``fp8_gemm.py``."""
+    """The row-wise FP8 GEMM alone (activations already quantized) per row count, summed over the
+    projections of one decoder layer that the op routes to the Triton kernel at that count (those
+    where cuBLASLt's tiles would leave SMs idle): ``torch._scaled_mm``, the same with the operands
+    swapped (``w @ x^T``, transposed back), and the Triton kernel over its tile grid. Prints the
+    best tiles per row count and the :data:`ROWWISE_TILES` they make (None where cuBLASLt is
+    within 3 %); ``apply`` writes that table into ``fp8_gemm.py``."""
     import re
     from pathlib import Path
 
@@ -156,11 +157,17 @@ def sweep_fp8(dev: torch.device, gen: torch.Generator, apply: bool, rows: tuple[
     from pagedlm.backends.cuda.kernels import fp8_gemm
 
     grid = [(bm, bn, 128, 8, w, st) for bm in (64, 128) for bn in (64, 128, 256) for w in (4, 8) for st in (3, 4, 5)]
+    sms = fp8_gemm.num_sms(dev)
     table: dict[int, tuple | None] = {}
     for m in rows:
         totals: dict[object, float] = {}
         counts: dict[object, int] = {}
-        for name, n, k in LLAMA_8B:
+        routed = [(name, n, k) for name, n, k in LLAMA_8B
+                  if math.ceil(m / fp8_gemm.CUBLAS_TILE[0]) * math.ceil(n / fp8_gemm.CUBLAS_TILE[1]) < sms]
+        if not routed:
+            print(f"M={m}: cuBLASLt fills the GPU at every shape")
+            continue
+        for name, n, k in routed:
             x = torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16)
             x_q, xs = quantize_rows(x, torch.float8_e4m3fn, None)
             wf = (torch.randn(n, k, device=dev, generator=gen) * 0.05).to(torch.float8_e4m3fn)
@@ -189,10 +196,10 @@ def sweep_fp8(dev: torch.device, gen: torch.Generator, apply: bool, rows: tuple[
                 counts[key] = counts.get(key, 0) + 1
             torch.cuda.empty_cache()
         # only what ran (correctly) at every shape is a candidate for the row count
-        complete = {key: t for key, t in totals.items() if counts[key] == len(LLAMA_8B)}
+        complete = {key: t for key, t in totals.items() if counts[key] == len(routed)}
         ranked = sorted(((t, key) for key, t in complete.items() if isinstance(key, tuple)), key=lambda i: i[0])
         base = complete["scaled_mm"]
-        print(f"M={m}: one layer's four projections: scaled_mm {base * 1e3:.1f} us, swapped "
+        print(f"M={m}: {', '.join(name for name, _, _ in routed)}: scaled_mm {base * 1e3:.1f} us, swapped "
               f"{complete.get('scaled_mm swapped', float('nan')) * 1e3:.1f} us; best Triton tiles:")
         for t, key in ranked[:4]:
             print(f"  {t * 1e3:.1f} us (x{base / t:.2f}) {key}")

@@ -3,10 +3,11 @@
 ``torch._scaled_mm`` with row-wise scales runs one cuBLASLt kernel with 128 x 128 output tiles
 at every row count (the only FP8 kernel in a profile of Llama-3.1-8B's fixed 256 x 512/512
 workload, H100, 2026-12-06). At 256 rows a 4096-wide weight (the o and down projections) is then
-64 tiles: half of an H100's 132 SMs idle while the weight streams through the others. Here the
-tile shape is chosen per row count (:data:`ROWWISE_TILES`, measured by ``bench_quant.py
---sweep-fp8``), so a batch of a few hundred rows spreads over every SM; larger batches (prefills)
-keep cuBLASLt, which is faster there.
+64 tiles: half of an H100's 132 SMs idle while the weight streams through the others. Where
+cuBLASLt's tiles would not fill the SMs once (:func:`rowwise_tiles`), this kernel runs instead,
+its tile shape chosen per row count (:data:`ROWWISE_TILES`, measured by ``bench_quant.py
+--sweep-fp8``), so the batch spreads over every SM; wide weights (gate_up) and large batches
+(prefills) keep cuBLASLt, which fills the GPU there.
 
 The numerics are ``torch._scaled_mm``'s: FP8 x FP8 products summed on the tensor cores, promoted
 to float32 after each ``BLOCK_K`` slice (Hopper's FP8 MMAs keep fewer accumulator bits than
@@ -16,6 +17,7 @@ rounded once to the output dtype.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -24,7 +26,7 @@ import triton.language as tl
 
 from pagedlm.backends.cuda.kernels.launch import launch, pdl_options, pdl_wait
 
-__all__ = ["ROWWISE_TILES", "fp8_rowwise_mm", "rowwise_tiles"]
+__all__ = ["ROWWISE_TILES", "fp8_rowwise_mm", "num_sms", "rowwise_tiles"]
 
 # The interpreter's FP8 dots are inexact (numpy); there the tiles are multiplied as float32
 # copies of the same FP8 values. Never set on a GPU.
@@ -93,10 +95,27 @@ def _fp8_rowwise_kernel(
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-def rowwise_tiles(m: int) -> Tiles | None:
-    """The :data:`ROWWISE_TILES` entry for ``m`` rows, or None (then ``torch._scaled_mm``)."""
+#: cuBLASLt's row-wise FP8 output tile (rows, columns), whatever the row count
+CUBLAS_TILE = (128, 128)
+
+
+def rowwise_tiles(m: int, n: int, num_sms: int) -> Tiles | None:
+    """The tiles of this kernel for an ``[m, K] x [K, n]`` product on a GPU of ``num_sms`` SMs, or
+    None for ``torch._scaled_mm``: the :data:`ROWWISE_TILES` entry for ``m`` where cuBLASLt's
+    tiles would leave SMs idle (fewer of them than SMs)."""
+    if triton.cdiv(m, CUBLAS_TILE[0]) * triton.cdiv(n, CUBLAS_TILE[1]) >= num_sms:
+        return None
     bound = min((b for b in ROWWISE_TILES if b >= m), default=None)
     return None if bound is None else ROWWISE_TILES[bound]
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """The SM count of a CUDA ``device``; 4 elsewhere (interpreter runs: a small GPU, so that
+    small test shapes take this kernel)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def fp8_rowwise_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -105,10 +124,12 @@ def fp8_rowwise_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tenso
     float8_e4m3fn (row-major), ``weight_scale [N]`` float32 -> ``[M, N]`` in ``out_dtype``.
 
     ``tiles`` overrides :func:`rowwise_tiles` (the sweep's candidates); K must be a multiple of 16
-    (FP8 rows of 16-byte-aligned starts, as for ``torch._scaled_mm``)."""
+    (FP8 rows of 16-byte-aligned starts, as for ``torch._scaled_mm``), and for speed the row
+    strides too (Triton then pipelines the loads; else it reads bytes)."""
     m, k = x_q.shape
     n = weight.shape[0]
-    block_m, block_n, block_k, group_m, num_warps, num_stages = tiles or rowwise_tiles(m) or (64, 64, 128, 8, 4, 4)
+    block_m, block_n, block_k, group_m, num_warps, num_stages = (
+        tiles or rowwise_tiles(m, n, num_sms(x_q.device)) or (64, 64, 128, 8, 4, 4))
     out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
     if m == 0:
         return out

@@ -9,9 +9,9 @@
   from memory once, at 4 or 8 bits. Up to 16 rows it splits K across programs (reduced in the
   same launch, :func:`.wna16_gemv.split_k_store`), so a small batch still spreads over the GPU.
 - ``fp8_scaled_mm``: per-token (or static) activation quantization in one kernel
-  (:mod:`.quant_act`), then, for a decode batch's row counts, the Triton GEMM of
-  :mod:`.fp8_gemm` (tiles chosen per row count), else ``torch._scaled_mm`` with row-wise scales
-  (Hopper / Ada FP8 tensor cores).
+  (:mod:`.quant_act`), then, where cuBLASLt's tiles would leave SMs idle (decode batches on
+  narrow weights), the Triton GEMM of :mod:`.fp8_gemm` (tiles chosen per row count), else
+  ``torch._scaled_mm`` with row-wise scales (Hopper / Ada FP8 tensor cores).
 - ``int8_scaled_mm``: the same quantization to int8, ``torch._int_mm`` (int32 accumulation), then
   one kernel for the scales and bias.
 
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedlm.backends.cuda.kernels.fp8_gemm import fp8_rowwise_mm, rowwise_tiles
+from pagedlm.backends.cuda.kernels.fp8_gemm import fp8_rowwise_mm, num_sms, rowwise_tiles
 from pagedlm.backends.cuda.kernels.launch import launch
 from pagedlm.backends.cuda.kernels.quant_act import int8_dequant_epilogue, quantize_rows
 from pagedlm.backends.cuda.kernels.wna16_gemv import GEMV_MAX_ROWS, split_k_counters, split_k_store, wna16_gemv
@@ -158,8 +158,8 @@ def fp8_quantized_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Ten
                      bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """``x_q [M, K]`` float8_e4m3fn with row scales ``x_scale [M, 1]`` float32, times ``weight [N,
     K]`` float8_e4m3fn with ``weight_scale [N]`` -> ``[M, N]`` in ``out_dtype`` (+ bias): for a
-    decode batch's row counts the Triton GEMM of :mod:`.fp8_gemm`, else ``torch._scaled_mm`` with
-    row-wise scales ``[M, 1] x [1, N]``."""
+    decode batch's row counts, where cuBLASLt's tiles would not fill the GPU, the Triton GEMM of
+    :mod:`.fp8_gemm`, else ``torch._scaled_mm`` with row-wise scales ``[M, 1] x [1, N]``."""
     scale_b = weight_scale.float().reshape(1, -1)
     # weight [N, K] row-major is the column-major [K, N] operand cuBLASLt's FP8 kernels take.
     one = _float32_unit_scale(x_q.device) if out_dtype == torch.float32 else None
@@ -169,8 +169,9 @@ def fp8_quantized_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Ten
         # unit scales instead, scaled here in the reference's order
         out = torch._scaled_mm(x_q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
         out = out * x_scale * scale_b
-    elif out_dtype != torch.float32 and weight.stride(-1) == 1 and rowwise_tiles(x_q.shape[0]) is not None:
-        return fp8_rowwise_mm(x_q, x_scale, weight, scale_b.reshape(-1), bias, out_dtype)
+    elif (out_dtype != torch.float32 and weight.stride(-1) == 1
+          and (tiles := rowwise_tiles(x_q.shape[0], weight.shape[0], num_sms(x_q.device))) is not None):
+        return fp8_rowwise_mm(x_q, x_scale, weight, scale_b.reshape(-1), bias, out_dtype, tiles)
     else:
         mm_dtype = torch.bfloat16 if out_dtype == torch.float32 else out_dtype
         out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=scale_b, out_dtype=mm_dtype).to(out_dtype)
