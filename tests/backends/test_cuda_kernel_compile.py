@@ -89,10 +89,11 @@ def test_norm_and_silu_fp8_quantization_kernels_compile_with_ieee_division(has_r
                             num_warps=8).asm["ptx"]
     assert "div.rn.f32" in ptx and "griddepcontrol.wait" in ptx
     silu = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "stride_x": "i32", "inter": "i32"}
-    constexprs = {"BLOCK": 4096, "USE_PDL": True}
-    ptx = _compile_for_sm90(_silu_and_mul_quant_kernel, {**silu, **dict.fromkeys(constexprs, "constexpr")},
-                            constexprs, num_warps=8).asm["ptx"]
-    assert "div.rn.f32" in ptx
+    for block, one_pass, num_warps in ((16384, True, 16), (4096, False, 8)):
+        constexprs = {"BLOCK": block, "ONE_PASS": one_pass, "USE_PDL": True}
+        ptx = _compile_for_sm90(_silu_and_mul_quant_kernel, {**silu, **dict.fromkeys(constexprs, "constexpr")},
+                                constexprs, num_warps=num_warps).asm["ptx"]
+        assert "div.rn.f32" in ptx
 
 
 #: the pointer and scalar arguments of both wna16 kernels (the decode GEMV and the GEMM)

@@ -24,8 +24,9 @@ pytestmark = [] if INTERPRET else [pytest.mark.cuda]
 DTYPES = [torch.bfloat16, torch.float16]
 ROWS = [1, 7, 40] if INTERPRET else [1, 7, 300]
 HIDDEN = [64, 100] if INTERPRET else [4096, 4100]
-#: intermediate sizes: one chunk, several (a chunk is at most 4096 values), a ragged last one
-INTER = [48, 4100] if INTERPRET else [4100, 14336]
+#: intermediate sizes: held in registers (up to 16384 values, a ragged block included), and walked
+#: twice in chunks of 4096 (16400: the last chunk ragged)
+INTER = [48, 4100, 16400] if INTERPRET else [4100, 14336, 16400]
 
 
 def _rows(t: int, n: int, dtype: torch.dtype, device, seed: int = 0) -> torch.Tensor:

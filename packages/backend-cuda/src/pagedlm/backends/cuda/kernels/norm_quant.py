@@ -5,8 +5,8 @@ ops of :data:`pagedlm.core.layers.custom_ops.OP_CONTRACTS`.
 Unfused, an FP8 W8A8 layer's input took two kernels: the producer (:mod:`.layer_ops`) wrote the
 bf16 row, and :func:`.quant_act.quantize_rows` read it back to write float8 values and a scale
 (~6% of a Llama-3.1-8B profile, H100). Here a program per row computes the producer's values,
-keeps them (the norm) or recomputes them (SiLU-and-mul, whose rows are wide), takes the row's
-amax and writes only the float8 row and its scale.
+keeps them in registers (the norm, and SiLU-and-mul rows up to 16384 values; wider ones are
+recomputed in a second pass), takes the row's amax and writes only the float8 row and its scale.
 
 NOTE: results must be bit for bit the unfused kernels' (the op contracts): the producer part
 repeats :mod:`.layer_ops`' expressions in the same order, with the same block size and warps
@@ -26,8 +26,10 @@ from pagedlm.backends.cuda.kernels.launch import launch, pdl_options, pdl_wait
 __all__ = ["fused_add_rms_norm_fp8_quant", "rms_norm_fp8_quant", "silu_and_mul_fp8_quant"]
 
 FP8_MAX = tl.constexpr(float(torch.finfo(torch.float8_e4m3fn).max))  # 448
-#: SiLU-and-mul rows are walked in chunks of at most this many values (intermediate sizes reach
-#: 30k; a whole row in registers would spill)
+#: SiLU-and-mul rows up to this many values (Llama-3.1-8B's 14336 included) are held in registers
+#: by 16 warps and read once; wider ones (intermediate sizes reach 30k, which would spill) are
+#: walked twice in chunks of SILU_BLOCK_MAX
+SILU_ONE_PASS_MAX = 16384
 SILU_BLOCK_MAX = 4096
 
 
@@ -127,12 +129,21 @@ def _silu_and_mul_chunk(x_row, k, inter):
 
 @triton.jit
 def _silu_and_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, stride_x, inter, BLOCK: tl.constexpr,
-                               USE_PDL: tl.constexpr):
-    """Program ``token``: the row's amax over ``silu(gate) * up`` (first pass), then the values
-    again (elementwise, so the same bits; the row is re-read from L1/L2) quantized (second pass)."""
+                               ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program ``token``: with ``ONE_PASS`` (``BLOCK >= inter``) the row's ``silu(gate) * up``, its
+    amax and its quantized values from registers; else the amax over chunks (first pass), then
+    the values again (elementwise, so the same bits; the row is re-read from L1/L2) quantized
+    (second pass)."""
     pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + token * stride_x
+    if ONE_PASS:
+        k = tl.arange(0, BLOCK)
+        y = _silu_and_mul_chunk(x_row, k, inter)
+        scale = _fp8_scale(tl.max(tl.abs(y), 0))
+        tl.store(scale_ptr + token, scale)
+        _fp8_store(q_ptr + token * inter + k, y, scale, k < inter)
+        return
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK):
         k = k0 + tl.arange(0, BLOCK)
@@ -155,7 +166,12 @@ def silu_and_mul_fp8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     x_q = torch.empty(num_tokens, inter, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(num_tokens, 1, dtype=torch.float32, device=x.device)
     if num_tokens:
-        block = min(triton.next_power_of_2(inter), SILU_BLOCK_MAX)
+        block = triton.next_power_of_2(inter)
+        one_pass = block <= SILU_ONE_PASS_MAX
+        if one_pass:
+            num_warps = max(4, block // 1024)  # at most 32 values a thread
+        else:
+            block, num_warps = SILU_BLOCK_MAX, 8
         launch(_silu_and_mul_quant_kernel, (num_tokens,), x, x_q, scale, x.stride(0), inter, BLOCK=block,
-               num_warps=4 if block <= 2048 else 8, **pdl_options(x.device))
+               ONE_PASS=one_pass, num_warps=num_warps, **pdl_options(x.device))
     return x_q, scale
