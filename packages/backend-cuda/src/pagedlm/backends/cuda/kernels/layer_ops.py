@@ -21,6 +21,7 @@ from pagedlm.backends.cuda.kernels.launch import launch, pdl_options, pdl_wait
 
 __all__ = [
     "fused_add_rms_norm",
+    "norm_launch_shape",
     "qk_norm_rotary_embedding",
     "rms_norm",
     "rotary_embedding",
@@ -67,6 +68,15 @@ def _rows_view(x: torch.Tensor) -> tuple[int, int, int, int]:
     return flat.shape[0], 1, flat.stride(0), 0
 
 
+def norm_launch_shape(n: int) -> tuple[int, int]:
+    """``(BLOCK, num_warps)`` of a program normalising one row of ``n`` values.
+
+    NOTE: the FP8-quantizing norm (:mod:`.norm_quant`) launches with the same shape, so its sum of
+    squares is reduced in the same order and its normalised values are this kernel's bits."""
+    block = triton.next_power_of_2(n)
+    return block, max(1, min(8, block // 256))
+
+
 def _launch_norm(x, residual, weight, eps):
     n = x.shape[-1]
     rows, inner, s0, s1 = _rows_view(x)
@@ -75,13 +85,12 @@ def _launch_norm(x, residual, weight, eps):
     if residual is not None:
         residual = residual.reshape(rows, n)
     if rows:
-        block = triton.next_power_of_2(n)
+        block, num_warps = norm_launch_shape(n)
         launch(
             _rms_norm_kernel, (rows,),
             x if x.dim() <= 3 else x.reshape(-1, n), residual if residual is not None else x, weight, out, summed,
             inner, s0, s1, residual.stride(0) if residual is not None else 0, float(eps),
-            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=max(1, min(8, block // 256)),
-            **pdl_options(x.device),
+            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=num_warps, **pdl_options(x.device),
         )
     return out, summed
 

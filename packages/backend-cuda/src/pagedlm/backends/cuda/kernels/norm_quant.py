@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from pagedlm.backends.cuda.kernels.launch import launch, pdl_options, pdl_wait
+from pagedlm.backends.cuda.kernels.layer_ops import norm_launch_shape
 
 __all__ = ["fused_add_rms_norm_fp8_quant", "rms_norm_fp8_quant", "silu_and_mul_fp8_quant"]
 
@@ -86,14 +87,12 @@ def _launch_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: t
     if residual is not None:
         residual = residual.reshape(rows, n)
     if rows:
-        # NOTE: the block and warps of layer_ops._launch_norm: the sum of squares is reduced in
-        # the same order, so the normalised values are its bits
-        block = triton.next_power_of_2(n)
+        block, num_warps = norm_launch_shape(n)
         launch(
             _rms_norm_quant_kernel, (rows,),
             x, residual if residual is not None else x, weight, x_q, scale, summed if summed is not None else x,
             x.stride(0), residual.stride(0) if residual is not None else 0, float(eps),
-            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=max(1, min(8, block // 256)),
+            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
             **pdl_options(x.device),
         )
     return x_q, scale, summed
