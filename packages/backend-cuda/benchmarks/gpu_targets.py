@@ -1,0 +1,133 @@
+"""The open GPU targets of docs/benchmarks.md in one run: each ``pagedlm bench`` command as a fresh
+process (its JSON kept in ``--out``), then one short table of the figures each target is stated
+in, beside the target, every ratio against bf16 measured in the same run.
+
+    python packages/backend-cuda/benchmarks/gpu_targets.py --out DIR [--only fp8,w4a16,nano,latency]
+
+Targets (Llama-3.1-8B and Qwen3-0.6B shapes, dummy weights):
+
+- ``latency``: bf16 decode at batch 1 within 1.15x of one read of the weights at the copy
+  bandwidth measured in the run;
+- ``w4a16``: W4A16 g128 (compressed-tensors) decode at batch 1 at least 2.5x bf16's tokens/s, its
+  weights at most 0.3x bf16's (also with the LM head and embedding packed, which the weights
+  target needs);
+- ``fp8``: FP8 weights + FP8 KV cache on the fixed 256 x 512/512 workload at least 1.6x bf16's
+  output tokens/s;
+- ``nano``: the nano workload at least 32,000 output tokens/s, median of 3 runs.
+
+The table is also written to ``DIR/targets.json``; a command that fails is reported with its exit
+status and the tail of its output, and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+LATENCY = ["bench", "latency", "--model-config", "llama-3.1-8b", "--load-format", "dummy", "--batch-size", "1",
+           "--input-len", "128", "--output-len", "128", "--num-iters", "3"]
+FIXED = ["bench", "throughput", "--model-config", "llama-3.1-8b", "--load-format", "dummy", "--workload", "fixed",
+         "--num-prompts", "256", "--input-len", "512", "--output-len", "512"]
+NANO = ["bench", "throughput", "--model-config", "qwen3-0.6b", "--load-format", "dummy", "--workload", "nano"]
+#: W4A16 g128 with the LM head and the embedding table packed too (compressed-tensors targets)
+PACKED = json.dumps({"quantization_config": {
+    "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": [],
+    "config_groups": {"group_0": {"targets": ["Linear", "Embedding"], "weights": {
+        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}}}}})
+
+#: run name -> the ``pagedlm`` arguments (without ``--output-json``)
+RUNS: dict[str, list[str]] = {
+    "latency bf16": LATENCY,
+    "latency w4a16": [*LATENCY, "--quantization", "compressed-tensors"],
+    "latency w4a16 packed": [*LATENCY, "--quantization", "compressed-tensors", "--hf-overrides", PACKED],
+    "fixed bf16": FIXED,
+    "fixed fp8": [*FIXED, "--quantization", "fp8", "--kv-cache-dtype", "fp8"],
+    "nano 1": NANO, "nano 2": NANO, "nano 3": NANO,
+}
+#: target -> the runs it needs
+TARGETS: dict[str, list[str]] = {
+    "latency": ["latency bf16"],
+    "w4a16": ["latency bf16", "latency w4a16", "latency w4a16 packed"],
+    "fp8": ["fixed bf16", "fixed fp8"],
+    "nano": ["nano 1", "nano 2", "nano 3"],
+}
+
+
+def _decode_ms(r: dict[str, Any]) -> float:
+    return r["decode_latency_ms"]["p50"]
+
+
+def _weights(r: dict[str, Any]) -> float:
+    return r["weight_read_floor"]["weight_bytes"]
+
+
+def evaluate(results: dict[str, dict[str, Any] | None]) -> list[dict[str, Any]]:
+    """One row per figure: ``{"target", "figure", "value", "bar", "met"}`` from the runs' JSON
+    (``None`` for a run that failed: its figures are reported as not measured)."""
+    rows: list[dict[str, Any]] = []
+
+    def row(target: str, figure: str, needs: list[str], value_of, bar: float, higher_is_better: bool) -> None:
+        if any(results.get(name) is None for name in needs):
+            rows.append({"target": target, "figure": figure, "value": None, "bar": bar, "met": False})
+            return
+        value = value_of(*(results[name] for name in needs))
+        met = value >= bar if higher_is_better else value <= bar
+        rows.append({"target": target, "figure": figure, "value": value, "bar": bar, "met": met})
+
+    row("latency", "bf16 decode p50 / weight read", ["latency bf16"],
+        lambda r: r["weight_read_floor"]["decode_p50_over_floor"], 1.15, False)
+    row("w4a16", "decode speed-up vs bf16", ["latency bf16", "latency w4a16"],
+        lambda b, q: _decode_ms(b) / _decode_ms(q), 2.5, True)
+    row("w4a16", "decode speed-up vs bf16, head + embedding packed", ["latency bf16", "latency w4a16 packed"],
+        lambda b, q: _decode_ms(b) / _decode_ms(q), 2.5, True)
+    row("w4a16", "weights vs bf16, head + embedding packed", ["latency bf16", "latency w4a16 packed"],
+        lambda b, q: _weights(q) / _weights(b), 0.3, False)
+    row("fp8", "output tokens/s vs bf16", ["fixed bf16", "fixed fp8"],
+        lambda b, q: q["output_tokens_per_s"] / b["output_tokens_per_s"], 1.6, True)
+    row("nano", "output tokens/s, median of 3", ["nano 1", "nano 2", "nano 3"],
+        lambda *rs: statistics.median(r["output_tokens_per_s"] for r in rs), 32000.0, True)
+    return rows
+
+
+def _run(name: str, args: list[str], out: Path) -> dict[str, Any] | None:
+    path = out / (name.replace(" ", "_") + ".json")
+    cmd = [sys.executable, "-m", "pagedlm.core.cli", *args, "--output-json", str(path)]
+    print(f"== {name}: pagedlm {' '.join(args)}", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not path.exists():
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
+        print(f"   failed (exit status {proc.returncode}):", *tail, sep="\n   ", flush=True)
+        return None
+    return json.loads(path.read_text())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="folder for each run's JSON and targets.json")
+    parser.add_argument("--only", default=",".join(TARGETS),
+                        help=f"comma-separated targets (default all: {', '.join(TARGETS)})")
+    args = parser.parse_args()
+    wanted = [t.strip() for t in args.only.split(",") if t.strip()]
+    unknown = [t for t in wanted if t not in TARGETS]
+    if unknown:
+        parser.error(f"--only {args.only!r}: unknown target(s) {unknown}; choose from {', '.join(TARGETS)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = list(dict.fromkeys(name for t in wanted for name in TARGETS[t]))
+    results = {name: _run(name, RUNS[name], out) for name in names}
+    rows = [r for r in evaluate(results) if r["target"] in wanted]
+    for r in rows:
+        value = "not measured" if r["value"] is None else f"{r['value']:,.3f}"
+        verdict = "met" if r["met"] else "NOT met"
+        print(f"{r['target']:<8} {r['figure']:<50} {value:>14}  target {r['bar']:g}  {verdict}")
+    (out / "targets.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
