@@ -156,7 +156,8 @@ def sweep_fp8(dev: torch.device, gen: torch.Generator, apply: bool, rows: tuple[
 
     from pagedlm.backends.cuda.kernels import fp8_gemm
 
-    grid = [(bm, bn, 128, 8, w, st) for bm in (64, 128) for bn in (64, 128, 256) for w in (4, 8) for st in (3, 4, 5)]
+    grid = [(bm, bn, 128, 8, w, st) for bm in (64, 128) for bn in (32, 64, 128, 256) for w in (4, 8)
+            for st in (3, 4, 5)]
     sms = fp8_gemm.num_sms(dev)
     table: dict[int, tuple | None] = {}
     for m in rows:

@@ -37,7 +37,7 @@ Tiles = tuple[int, int, int, int, int, int]
 #: ``torch._scaled_mm``: the first entry whose bound is at least M applies, and M above every
 #: bound takes ``torch._scaled_mm`` too. ``bench_quant.py --sweep-fp8 --apply`` rewrites it.
 ROWWISE_TILES: dict[int, Tiles | None] = {
-    64: (64, 64, 128, 8, 4, 5),
+    64: (64, 32, 128, 8, 4, 5),
     128: (64, 128, 128, 8, 4, 4),
     256: (128, 64, 128, 8, 4, 4),
 }
