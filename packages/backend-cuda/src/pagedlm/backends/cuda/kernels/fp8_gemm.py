@@ -119,17 +119,16 @@ def num_sms(device: torch.device) -> int:
 
 
 def fp8_rowwise_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   bias: torch.Tensor | None, out_dtype: torch.dtype, tiles: Tiles | None = None) -> torch.Tensor:
+                   bias: torch.Tensor | None, out_dtype: torch.dtype, tiles: Tiles) -> torch.Tensor:
     """``x_q [M, K]`` float8_e4m3fn (row-major), ``x_scale [M, 1]`` float32, ``weight [N, K]``
     float8_e4m3fn (row-major), ``weight_scale [N]`` float32 -> ``[M, N]`` in ``out_dtype``.
 
-    ``tiles`` overrides :func:`rowwise_tiles` (the sweep's candidates); K must be a multiple of 16
-    (FP8 rows of 16-byte-aligned starts, as for ``torch._scaled_mm``), and for speed the row
-    strides too (Triton then pipelines the loads; else it reads bytes)."""
+    ``tiles``: :func:`rowwise_tiles`' choice, or a candidate of the sweep. Row strides that are
+    multiples of 16 (any K ``torch._scaled_mm`` takes) let Triton pipeline the loads; other strides
+    are read bytewise."""
     m, k = x_q.shape
     n = weight.shape[0]
-    block_m, block_n, block_k, group_m, num_warps, num_stages = (
-        tiles or rowwise_tiles(m, n, num_sms(x_q.device)) or (64, 64, 128, 8, 4, 4))
+    block_m, block_n, block_k, group_m, num_warps, num_stages = tiles
     out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
     if m == 0:
         return out
