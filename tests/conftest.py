@@ -69,7 +69,7 @@ def _share_the_gpu() -> None:
 def _release_cached_gpu_memory():
     """Under xdist, hand each test's freed GPU memory back to the driver when it ends: torch's
     caching allocator otherwise keeps it for this worker, and the other workers' engines and
-    kernel launches then run out of memory on a card they share (17 such failures with 8 workers
+    kernel launches then run out of memory on a card they share (6 tests failed so with 8 workers
     on an 80 GB H100, 2026-12-07; one at a time the same tests pass)."""
     yield
     if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) <= 1:
