@@ -178,3 +178,46 @@ def test_wna16_gemm_finds_groups_without_an_integer_division():
                                      "DOT_PRECISION": "tf32"})
     assert "mma.sync" in ptx or "wgmma" in ptx
     assert not _has_integer_division(ptx)
+
+
+def _compile_decode_attention(fp8: bool, ids_ahead: bool = False):
+    """The decode launch of the paged-attention kernel at Llama-3.1-8B's heads (32 / 8, head 128,
+    block 16), with the launch shape paged_attention takes by default."""
+    from pagedlm.backends.cuda.kernels.paged_attention import _paged_attention_kernel, launch_shape
+
+    kv = "*fp8e4nv" if fp8 else "*bf16"
+    signature = {"out_ptr": "*bf16", "query_ptr": "*bf16", "key_cache_ptr": kv, "value_cache_ptr": kv,
+                 "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+                 "req_order_ptr": "*i32", "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
+                 "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "span_end_ptr": "*i32", "num_reqs": "i32",
+                 "num_heads": "i32", "scale": "fp32", "soft_cap": "fp32", "sliding_window": "i32", "num_splits": "i32",
+                 "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32"}
+    block_m, block_n, num_warps, num_stages = launch_shape(True, fp8, 4)
+    constexprs = {"NUM_KV_HEADS": 8, "GROUP": 4, "GROUP_PAD": 4, "HEAD_SIZE": 128, "HEAD_PAD": 128, "BLOCK_SIZE": 16,
+                  "BLOCK_Q": 1, "BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_KV": False, "DECODE_ONLY": True,
+                  "ORDERED": True, "USE_SOFT_CAP": False, "USE_WINDOW": False, "DOT_PRECISION": "tf32",
+                  "UPCAST_DOTS": False, "FP8_KV": fp8, "FP8_FP16_DOTS": False, "FP8_DECODE": fp8, "ON_GPU": True,
+                  "HAS_SPANS": False, "USE_PDL": True, "IDS_AHEAD": ids_ahead}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    names = list(_paged_attention_kernel.arg_names)
+    assert set(names) == set(signature)
+    signature = {n: signature[n] for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (
+        "out_ptr", "query_ptr", "key_cache_ptr", "value_cache_ptr", "block_table_ptr", "stride_qt", "stride_qh",
+        "stride_ot", "stride_oh", "stride_bt")}
+    return _compile_for_sm90(_paged_attention_kernel, signature, constexprs, num_warps=num_warps, attrs=attrs,
+                             num_stages=num_stages).asm["ptx"]
+
+
+@pytest.mark.parametrize(("fp8", "ids_ahead"), [(True, False), (False, True)], ids=["fp8-decode", "ids-ahead"])
+def test_decode_attention_keeps_two_tiles_of_copies_in_flight(fp8, ids_ahead):
+    """The FP8 decode loop (and the common loop with ``IDS_AHEAD``) reads its block ids a tile
+    ahead, so the pipeliner issues each tile's K/V copies two tiles early and waits, at the top of
+    each iteration, with the next tile's two copy groups still in flight (``wait_group 2``). With
+    the ids loaded in the loop it waited for every copy (``wait_group 0``): an iteration then paid
+    a whole memory latency. The FP8 loop's dots are float16 MMAs on the converted tiles."""
+    ptx = _compile_decode_attention(fp8, ids_ahead)
+    waits = {int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+);", ptx)}
+    assert 2 in waits, waits
+    if fp8:
+        assert set(re.findall(r"mma\.sync\.aligned\.\S+", ptx)) == {"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"}

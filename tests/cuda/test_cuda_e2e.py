@@ -121,7 +121,7 @@ def test_bf16_logprobs_close_to_hf(arch, kv_cache_dtype, tiny_checkpoints, refer
     """bf16 logprobs vs HF's fp32 ones, within what bf16 itself costs on this checkpoint: the
     plain-torch reference backend in bf16 sets the bar (random tiny models amplify rounding; its
     own error is ~0.5 on qwen3), ours may exceed it by half. With an FP8 cache the bar is the
-    reference backend's FP8 cache (its decode steps here run on the FP8 tensor cores)."""
+    reference backend's FP8 cache (its decode steps here take the transposed FP8 decode loop)."""
     from pagedlm.core import LLM
 
     ps, refs = references

@@ -382,15 +382,14 @@ def test_fp8_cache_reads_as_its_dequantized_values(device, reqs, num_splits):
 
 @pytest.mark.parametrize(("num_splits", "sliding_window", "query_gain"),
                          [(1, None, 1.0), (4, None, 1.0), (1, None, 4.0), (1, 40, 1.0)])
-def test_fp8_decode_scores_on_tensor_cores_within_bf16_rounding(device, num_splits, sliding_window, query_gain):
-    """Decode launches over an FP8 cache under a bf16 query take the scores as FP8 x FP8 dots
-    (``FP8_MMA``): the query goes in as two e4m3 tiles, ``q_hi = q / s`` (row scale ``s = amax /
-    448``) and ``q_lo = 16 (q / s - q_hi)``. q_lo's rounding is at most half an e4m3 step of a value
-    <= 256, 8, so the query is represented to within ``0.5 s = amax * 2^-9.8``: under bf16's own
-    rounding of it (2^-9 of each value). P is float16 (2^-11). So the output is asserted within bf16
-    rounding of float32 attention over the dequantized cache: relative (Frobenius) error <= 2^-7
-    and every value within 1e-2 (bf16 output rounding alone is 2^-9 = 0.2 %). A single e4m3 query
-    tile misses the first bound: 2.6 % on an H200 (2026-12-02; 5.2 % with the query x 4).
+def test_fp8_decode_within_bf16_rounding(device, num_splits, sliding_window, query_gain):
+    """Decode launches over an FP8 cache under a bf16 query (the transposed loop,
+    ``FP8_DECODE``) take the scores as float16 dots of the query (exact: bf16 -> float16 inside
+    float16's range) with the e4m3 keys converted to float16 (exact), and P @ V with P in float16
+    (2^-11). So the output is asserted within bf16 rounding of float32 attention over the
+    dequantized cache: relative (Frobenius) error <= 2^-7 and every value within 1e-2 (bf16 output
+    rounding alone is 2^-9 = 0.2 %). (A single e4m3 query tile, tried on the FP8 tensor cores,
+    missed the first bound: 2.6 % on an H200, 2026-12-02; 5.2 % with the query x 4.)
     ``query_gain`` 4 makes peaked distributions, where score errors move the output most."""
     from pagedlm.backends.cuda.triton_attn import TritonAttentionImpl, TritonAttentionMetadataBuilder
 
@@ -404,7 +403,7 @@ def test_fp8_decode_scores_on_tensor_cores_within_bf16_rounding(device, num_spli
     builder = TritonAttentionMetadataBuilder(block_size=16, device=device)
     builder.num_kv_heads = 4
     meta = builder.build(to_device(case.common, device))
-    assert meta.max_query_len == 1  # the decode-only launch, which is the one on the FP8 tensor cores
+    assert meta.max_query_len == 1  # the decode-only launch, which takes the transposed loop
     meta.num_splits = num_splits
     impl = TritonAttentionImpl(scale=128**-0.5, sliding_window=sliding_window, **shape)
     impl.kv_cache_dtype, impl.k_scale, impl.v_scale = "fp8", scales[0].to(device), scales[1].to(device)

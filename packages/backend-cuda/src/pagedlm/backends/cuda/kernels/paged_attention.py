@@ -30,10 +30,10 @@ the key range and writes an unnormalised partial result plus its running max and
 ``_combine_splits_kernel`` merges them. Used when there are too few (request, kv head) pairs to
 fill the GPU, i.e. small decode batches over long contexts.
 
-FP8 cache (float8_e4m3fn, stored = value / scale): decode-only launches under a 16-bit query run
-the key loop transposed on the FP8 tensor cores (``_fp8_decode_tiles``: ``S^T = K Q^T`` with
-the keys as the MMA's 64-row side, the query as two e4m3 tiles); other launches convert each
-tile to float16 for float16 dots (``FP8_FP16_DOTS``).
+FP8 cache (float8_e4m3fn, stored = value / scale): every launch under a 16-bit query converts
+each tile to float16 for float16 dots. Decode-only launches run the key loop transposed
+(``_fp8_decode_tiles``: ``S^T = K Q^T`` with the keys on the MMA's M side), with the block ids one
+tile ahead; the others take the common loop (``FP8_FP16_DOTS``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import triton.language as tl
 
 from pagedlm.backends.cuda.kernels.launch import launch, pdl_options, pdl_wait
 
-__all__ = ["paged_attention", "write_kv_cache", "choose_num_splits"]
+__all__ = ["paged_attention", "write_kv_cache", "choose_num_splits", "launch_shape"]
 
 #: the combine kernel's split capacity (one variant up to it; choose_num_splits never exceeds it)
 MAX_COMBINED_SPLITS = 16
@@ -80,20 +80,6 @@ def _write_kv_kernel(
 
 
 @triton.jit
-def _to_e4m3(x, EMULATE: tl.constexpr):
-    """float32 ``x`` (``|x| <= 448``) rounded to nearest float8e4nv."""
-    if EMULATE:
-        # NOTE: Triton 3.x's interpreter rounds float32 -> e4m3 without carrying into the exponent
-        # (124.2 -> 64, -31.7 -> -16: seen on CPU); round here so that the cast is exact. Ties
-        # round away from zero rather than to even (measure zero for the tests' random data).
-        a = tl.abs(x)
-        step = tl.exp2(tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), -6.0) - 3.0)
-        r = tl.floor(a / step + 0.5) * step
-        x = tl.where(x < 0, -r, r)
-    return x.to(tl.float8e4nv)
-
-
-@triton.jit
 def _e4m3_to_f16(x, ASM: tl.constexpr):
     """float8e4nv -> float16 (exact), in ``x``'s own register layout when ``ASM``."""
     if not ASM:
@@ -108,54 +94,73 @@ def _e4m3_to_f16(x, ASM: tl.constexpr):
 
 
 @triton.jit
-def _kv_tile(start, kv_hi, bt_row, head_off, d, d_valid, NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
+def _block_ids(bt_row, start, kv_hi, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``[BLOCK_N]`` block-table entries of keys ``[start, start + BLOCK_N)`` (0 from ``kv_hi`` on)."""
+    pos = start + tl.arange(0, BLOCK_N)
+    return tl.load(bt_row + pos // BLOCK_SIZE, mask=pos < kv_hi, other=0)
+
+
+@triton.jit
+def _kv_tile(start, block_ids, kv_hi, head_off, d, d_valid, NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
              BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys ``[start, start + BLOCK_N)`` of one sequence and kv head: their positions ``[BLOCK_N]``,
-    which are ``< kv_hi``, and the cache offsets and mask of their ``[BLOCK_N, HEAD_PAD]`` tile."""
+    """Keys ``[start, start + BLOCK_N)`` of one sequence and kv head, whose blocks are
+    ``block_ids``: their positions ``[BLOCK_N]``, which are ``< kv_hi``, and the cache offsets and
+    mask of their ``[BLOCK_N, HEAD_PAD]`` tile."""
     pos = start + tl.arange(0, BLOCK_N)
     pos_valid = pos < kv_hi
-    block = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
-    slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
+    slot = block_ids.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
     kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD_SIZE) + head_off + d[None, :]
     return pos, pos_valid, kv_off, pos_valid[:, None] & d_valid[None, :]
 
 
 @triton.jit
-def _fp8_decode_tiles(q_hi, q_lo, qk_row_scale, row_valid, q_pos, kv_lo, kv_hi, bt_row, head_off, d, d_valid,
+def _fp8_decode_tiles(q, qk_scale, row_valid, q_pos, kv_lo, kv_hi, bt_row, head_off, d, d_valid,
                       key_cache_ptr, value_cache_ptr, sliding_window,
                       NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       USE_WINDOW: tl.constexpr, ON_GPU: tl.constexpr):
-    """The key loop of a decode program over an FP8 cache, transposed so that the FP8 tensor
-    cores take the scores: ``S^T = K Q^T`` puts the ``BLOCK_N`` keys on the MMA's M side (Hopper's
-    wgmma needs M >= 64; a decode tile has ``BLOCK_M`` = 16 rows, 4 of them real under GQA 4) and
-    reads K straight from shared memory as e4m3, with no conversion. ``O^T = V^T P^T`` then runs
-    in float16 with V converted once per tile (e4m3 V is N-major, which FP8 wgmma refuses).
+    """The key loop of a decode program over an FP8 cache, transposed: ``S^T = K Q^T`` puts the
+    ``BLOCK_N`` keys on the MMA's M side and the few query rows (``BLOCK_M`` = 8, 4 of them real
+    under GQA 4) on its N side, where 8 is a whole tile. K is read from shared memory in the dot
+    operand layout as e4m3 and converted there to float16 (exact); V is converted once per tile
+    in its load layout (:func:`_e4m3_to_f16`) for ``O^T = V^T P^T``.
+
+    Why it runs fast (sm_90, Triton 3.6, 2 warps, 32 keys a tile; the loop was latency-bound: an
+    iteration took ~3 us for ~380 instructions a warp):
+
+    - the block ids come one tile ahead, in registers, so the K/V copies of a tile do not wait for
+      the block-table load of the same iteration, and the pipeliner keeps ``num_stages - 1`` tiles
+      of copies in flight (with the ids loaded in the loop it pipelined the id load instead and
+      waited for every copy at the top of each iteration);
+    - one float16 dot for the scores: below 4 warps Triton runs even an e4m3 x e4m3 dot as float16
+      MMAs, so the former two-tile e4m3 query doubled the MMA chain for nothing;
+    - the softmax sum is kept per key column and reduced once at the end, which saves two
+      cross-warp reductions (and their barriers) per tile.
 
     Args:
-        q_hi, q_lo: ``[BLOCK_M, HEAD_PAD]`` e4m3: the query over its row scale, and 16x what
-            rounding it left (``q = (q_hi + q_lo / 16) * row scale`` to ~2^-8 relative)
-        qk_row_scale: ``[BLOCK_M]`` row scale x softmax scale x k_scale
+        q: ``[BLOCK_M, HEAD_PAD]`` float16
+        qk_scale: softmax scale x k_scale
     Returns:
         ``acc_t [HEAD_PAD, BLOCK_M]`` (unnormalised, V unscaled), running max and sum ``[BLOCK_M]``
     """
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    l_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_t = tl.zeros([HEAD_PAD, BLOCK_M], tl.float32)
-    q_hi_t = tl.trans(q_hi)
-    q_lo_t = tl.trans(q_lo)
-    if not ON_GPU:  # the interpreter's fp8 / fp16 dots are inexact: the same values in float32
-        q_hi_t = q_hi_t.to(tl.float32)
-        q_lo_t = q_lo_t.to(tl.float32)
+    q_t = tl.trans(q)
+    if not ON_GPU:  # the interpreter's float16 dots are inexact: the same values in float32
+        q_t = q_t.to(tl.float32)
+    next_ids = _block_ids(bt_row, kv_lo, kv_hi, BLOCK_SIZE, BLOCK_N)
     for start in range(kv_lo, kv_hi, BLOCK_N):
-        pos, pos_valid, kv_off, kv_mask = _kv_tile(start, kv_hi, bt_row, head_off, d, d_valid, NUM_KV_HEADS,
+        block_ids = next_ids
+        next_ids = _block_ids(bt_row, start + BLOCK_N, kv_hi, BLOCK_SIZE, BLOCK_N)
+        pos, pos_valid, kv_off, kv_mask = _kv_tile(start, block_ids, kv_hi, head_off, d, d_valid, NUM_KV_HEADS,
                                                    HEAD_SIZE, BLOCK_SIZE, BLOCK_N)
         k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v_e4m3 = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        k = k.to(tl.float16)
         if not ON_GPU:
             k = k.to(tl.float32)
-        # two FP8 MMAs over the same K tile: q_lo's share first, at its 1/16 weight
-        s_t = tl.dot(k, q_hi_t, tl.dot(k, q_lo_t) * 0.0625)
-        s_t = s_t * (qk_row_scale * _LOG2E)[None, :]  # [BLOCK_N, BLOCK_M]
+        s_t = tl.dot(k, q_t) * (qk_scale * _LOG2E)  # [BLOCK_N, BLOCK_M]
         visible = pos_valid[:, None] & row_valid[None, :] & (pos[:, None] <= q_pos[None, :])
         if USE_WINDOW:
             visible = visible & (pos[:, None] > q_pos[None, :] - sliding_window)
@@ -164,15 +169,15 @@ def _fp8_decode_tiles(q_hi, q_lo, qk_row_scale, row_valid, q_pos, kv_lo, kv_hi, 
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p_t = tl.exp2(s_t - m_safe[None, :])
         alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p_t, 0)
-        v = _e4m3_to_f16(tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0), ON_GPU)
+        l_t = l_t * alpha[None, :] + p_t
+        v = _e4m3_to_f16(v_e4m3, ON_GPU)
         p_v = p_t.to(tl.float16)
         if not ON_GPU:
             v = v.to(tl.float32)
             p_v = p_v.to(tl.float32)
         acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), p_v)
         m_i = m_new
-    return acc_t, m_i, l_i
+    return acc_t, m_i, tl.sum(l_t, 0)
 
 
 @triton.jit
@@ -197,8 +202,8 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_KV: tl.constexpr, DECODE_ONLY: tl.constexpr, ORDERED: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr, FP8_KV: tl.constexpr, FP8_FP16_DOTS: tl.constexpr, FP8_MMA: tl.constexpr,
-    ON_GPU: tl.constexpr, HAS_SPANS: tl.constexpr, USE_PDL: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr, FP8_KV: tl.constexpr, FP8_FP16_DOTS: tl.constexpr, FP8_DECODE: tl.constexpr,
+    ON_GPU: tl.constexpr, HAS_SPANS: tl.constexpr, USE_PDL: tl.constexpr, IDS_AHEAD: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
     split = tl.program_id(2)
@@ -279,45 +284,40 @@ def _paged_attention_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
         bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
         head_off = kv_head * HEAD_SIZE
-        # NOTE: an FP8 cache (stored = value / scale) under a 16-bit query, decode-only launches
-        # (FP8_MMA): the scores are FP8 x FP8 tensor-core dots of the cached keys with the query
-        # split into two e4m3 tiles (within bf16's rounding of it), P @ V in float16 with V
-        # converted once per tile; the scales are folded into the score scale (k) and the output
-        # (v). On an H200 that read a 256 x 768 decode batch's cache 1.25x faster (2.71 against
-        # 2.17 TB/s; Llama-3.1-8B fp8 throughput 18,005 against 16,823 tok/s) than converting
-        # every K and V value to float16 for float16 dots, which the other launches (prefill
-        # tiles, soft caps) still do (FP8_FP16_DOTS; exact for e4m3, the query clamped to
-        # float16's range). (Bare fp8 -> bf16 casts with the scales folded compiled worse: Triton
+        # NOTE: an FP8 cache (stored = value / scale) under a 16-bit query: float16 dots of the
+        # query (clamped to float16's range: bf16 -> float16 is exact inside it) with the cached
+        # values converted to float16 (exact for e4m3); the scales are folded into the score scale
+        # (k) and the output (v). Decode-only launches take the transposed loop of
+        # _fp8_decode_tiles (FP8_DECODE), the others (prefill tiles, soft caps) the loop below
+        # (FP8_FP16_DOTS). (Bare fp8 -> bf16 casts with the scales folded compiled worse: Triton
         # moved those casts into the dot-operand layout, read byte by byte from shared memory.)
         # A float32 query keeps a float32 multiply per value.
         qk_scale = scale
         if FP8_KV:
             k_scale = tl.load(k_scale_ptr)
             v_scale = tl.load(v_scale_ptr)
-            if FP8_MMA:
-                # per-row scale to e4m3's range, then the rounding residual, 16x, as a second
-                # e4m3 tile: |residual| <= half an e4m3 step (16 at 448), so 16x stays <= 256
-                qf = q.to(tl.float32)
-                q_amax = tl.max(tl.abs(qf), 1)
-                q_row_scale = tl.where(q_amax > 0.0, q_amax / 448.0, 1.0)
-                qs = qf / q_row_scale[:, None]
-                q_hi = _to_e4m3(qs, not ON_GPU)
-                q_lo = _to_e4m3((qs - q_hi.to(tl.float32)) * 16.0, not ON_GPU)
-                qk_row_scale = q_row_scale * (scale * k_scale)
-            elif FP8_FP16_DOTS:
+            if FP8_FP16_DOTS or FP8_DECODE:
                 qk_scale = scale * k_scale
                 q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
                 if UPCAST_DOTS:
                     q = q.to(tl.float32)
-        if FP8_MMA:
+        if FP8_DECODE:
             acc_t, m_i, l_i = _fp8_decode_tiles(
-                q_hi, q_lo, qk_row_scale, row_valid, q_pos, kv_lo, kv_hi, bt_row, head_off, d, d_valid,
+                q, qk_scale, row_valid, q_pos, kv_lo, kv_hi, bt_row, head_off, d, d_valid,
                 key_cache_ptr, value_cache_ptr, sliding_window, NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD,
                 BLOCK_SIZE, BLOCK_M, BLOCK_N, USE_WINDOW, ON_GPU)
             acc = tl.trans(acc_t)
         else:
+            # NOTE: with IDS_AHEAD the block ids come one tile ahead (see _fp8_decode_tiles)
+            if IDS_AHEAD:
+                next_ids = _block_ids(bt_row, kv_lo, kv_hi, BLOCK_SIZE, BLOCK_N)
             for start in range(kv_lo, kv_hi, BLOCK_N):
-                pos, pos_valid, kv_off, kv_mask = _kv_tile(start, kv_hi, bt_row, head_off, d, d_valid,
+                if IDS_AHEAD:
+                    block_ids = next_ids
+                    next_ids = _block_ids(bt_row, start + BLOCK_N, kv_hi, BLOCK_SIZE, BLOCK_N)
+                else:
+                    block_ids = _block_ids(bt_row, start, kv_hi, BLOCK_SIZE, BLOCK_N)
+                pos, pos_valid, kv_off, kv_mask = _kv_tile(start, block_ids, kv_hi, head_off, d, d_valid,
                                                            NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, BLOCK_N)
                 k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
                 if FP8_FP16_DOTS:
@@ -354,7 +354,7 @@ def _paged_attention_kernel(
                     v = v.to(tl.float32)
                 acc = acc * alpha[:, None] + tl.dot(p_v, v, input_precision=DOT_PRECISION)
                 m_i = m_new
-        if FP8_FP16_DOTS or FP8_MMA:
+        if FP8_FP16_DOTS or FP8_DECODE:
             acc = acc * v_scale  # the partial results are linear in V: its scale once, at the end
 
         out_mask = row_valid[:, None] & d_valid[None, :]
@@ -435,6 +435,21 @@ def choose_num_splits(num_tiles: int, num_kv_heads: int, max_seq_len: int, num_s
     return splits
 
 
+def launch_shape(decode_only: bool, fp8_decode: bool, group_pad: int,
+                 config: dict[str, int] | None = None) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of a launch: the defaults, or ``config``'s."""
+    cfg = config or {}
+    if not decode_only:
+        return (max(cfg.get("BLOCK_M", 64), group_pad, 16), cfg.get("BLOCK_N", 64), cfg.get("num_warps", 4),
+                cfg.get("num_stages", 2))
+    if fp8_decode:
+        # 8 rows (the MMA's N side), 32 keys a tile, 2 warps, 3 stages: two tiles of copies in
+        # flight (see _fp8_decode_tiles)
+        return (max(cfg.get("BLOCK_M", 8), group_pad, 8), cfg.get("BLOCK_N", 32), cfg.get("num_warps", 2),
+                cfg.get("num_stages", 3))
+    return max(16, group_pad), cfg.get("BLOCK_N", 64), cfg.get("num_warps", 4), cfg.get("num_stages", 3)
+
+
 def paged_attention(
     out: torch.Tensor,
     query: torch.Tensor,
@@ -470,7 +485,9 @@ def paged_attention(
         num_splits: key-range splits (power of two); 1 = no split-KV
         req_order: ``[B']`` int32, a permutation of the first ``num_reqs`` requests, longest context
             first; decode-only launches start their programs in this order (load balance)
-        config: optional overrides of ``BLOCK_M``/``BLOCK_N``/``num_warps``/``num_stages``
+        config: optional overrides of ``BLOCK_M``/``BLOCK_N``/``num_warps``/``num_stages``, and
+            ``IDS_AHEAD`` (the common loop reads the block ids one tile ahead, as the FP8
+            decode loop always does)
         k_scale, v_scale: ``[1]`` float32 with a float8 cache (stored = value / scale): the tiles
             are rescaled to the query's dtype as they load; None for a cache in the query's dtype
         span_end: ``[>= num_tokens]`` int32 or None: per query token, the end position of the
@@ -490,31 +507,12 @@ def paged_attention(
     fp8_kv = key_cache.dtype != query.dtype
     if fp8_kv and (k_scale is None or v_scale is None):
         raise ValueError(f"a {key_cache.dtype} KV cache needs k_scale and v_scale")
-    # decode-only launches over an FP8 cache under a 16-bit query take their scores on the FP8
-    # tensor cores (_fp8_decode_tiles); prefill tiles and soft-capped models read FP8 as float16,
-    # and so do heads under 32 values (an FP8 MMA's K is at least 32: Triton refuses smaller dots)
-    fp8_mma = fp8_kv and not fp32 and decode_only and soft_cap is None and head_pad >= 32
-    cfg = dict(config or {})
-    if decode_only:
-        block_q = 1
-        block_m = max(16, group_pad)
-        block_n = cfg.get("BLOCK_N", 64)
-        # the FP8 tensor-core loop ran 3-5 % faster with two stages than with three (H200)
-        num_warps, num_stages = cfg.get("num_warps", 4), cfg.get("num_stages", 2 if fp8_mma else 3)
-        if fp8_mma:
-            # the transposed FP8 loop puts the rows on the MMA's N side, where 8 is a whole tile;
-            # 8 rows, 32 keys a step and 2 warps ran 5 % faster than 16 / 64 / 4 at 256 requests x
-            # 768 tokens, Llama-3.1-8B's heads (bench_attention.py, H100, 2026-12-06)
-            block_m = max(cfg.get("BLOCK_M", 8), group_pad, 8)
-            block_n = cfg.get("BLOCK_N", 32)
-            num_warps = cfg.get("num_warps", 2)
-        num_tiles = num_reqs
-    else:
-        block_m = max(cfg.get("BLOCK_M", 64), group_pad, 16)
-        block_q = block_m // group_pad
-        block_n = cfg.get("BLOCK_N", 64)
-        num_warps, num_stages = cfg.get("num_warps", 4), cfg.get("num_stages", 2)
-        num_tiles = num_tokens // block_q + num_reqs
+    # decode-only launches over an FP8 cache under a 16-bit query take the transposed loop
+    # (_fp8_decode_tiles), but for soft-capped models, which read FP8 in the loop of prefill tiles
+    fp8_decode = fp8_kv and not fp32 and decode_only and soft_cap is None
+    block_m, block_n, num_warps, num_stages = launch_shape(decode_only, fp8_decode, group_pad, config)
+    block_q = 1 if decode_only else block_m // group_pad
+    num_tiles = num_reqs if decode_only else num_tokens // block_q + num_reqs
     if num_splits > 1:
         assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
         n = out.shape[0] * num_heads * num_splits
@@ -540,8 +538,9 @@ def paged_attention(
         # fp32 models are the HF-parity configuration: no tf32 rounding in the dots there
         DOT_PRECISION="ieee" if fp32 else "tf32",
         UPCAST_DOTS=INTERPRET and query.dtype == torch.bfloat16, FP8_KV=fp8_kv,
-        FP8_FP16_DOTS=fp8_kv and not fp32 and not fp8_mma, FP8_MMA=fp8_mma,
+        FP8_FP16_DOTS=fp8_kv and not fp32 and not fp8_decode, FP8_DECODE=fp8_decode,
         ON_GPU=not INTERPRET, HAS_SPANS=span_end is not None,
+        IDS_AHEAD=bool((config or {}).get("IDS_AHEAD", False)),
         num_warps=num_warps, num_stages=num_stages, **pdl_options(query.device),
     )
     if num_splits > 1:
