@@ -49,11 +49,13 @@ def test_fp8_rowwise_gemm_runs_on_the_fp8_tensor_cores_for_every_tile_shape():
     from pagedlm.backends.cuda.kernels.fp8_gemm import ROWWISE_TILES, _fp8_rowwise_kernel
 
     signature = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "bias_ptr": "*bf16",
-                 "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
-                 "stride_om": "i32"}
-    for block_m, block_n, block_k, group_m, num_warps, num_stages in filter(None, ROWWISE_TILES.values()):
+                 "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+                 "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "k_per_split": "i32"}
+    split_tiles = (128, 128, 128, 8, 8, 3, 2)  # cuBLASLt's tile, split along K
+    for block_m, block_n, block_k, group_m, num_warps, num_stages, max_split in [
+            *filter(None, ROWWISE_TILES.values()), split_tiles]:
         constexprs = {"HAS_BIAS": False, "EVEN_K": True, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                      "GROUP_M": group_m, "ON_GPU": True, "USE_PDL": True}
+                      "GROUP_M": group_m, "SPLIT_K": max_split, "ON_GPU": True, "USE_PDL": True}
         # the launch's specialisation: every pointer, size and stride but M divisible by 16
         attrs = {(list(signature).index(n),): [["tt.divisibility", 16]] for n in signature if n != "M"}
         ptx = _compile_for_sm90(_fp8_rowwise_kernel, {**signature, **dict.fromkeys(constexprs, "constexpr")},

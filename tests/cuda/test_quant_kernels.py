@@ -146,9 +146,14 @@ def test_fp8_scaled_mm_matches_reference(static, m, n, k, dtype, device):
 
 
 #: (M, N, K) of the Triton row-wise FP8 GEMM: rows and columns that fill no whole tile, K that
-#: does not tile (K % 128 = 32 and 16: the masked loop), one row, and a down projection's K
-ROWWISE_SHAPES = ([(1, 64, 128), (37, 96, 160), (100, 200, 256)] if INTERPRET
-                  else [(1, 4096, 4096), (77, 6144, 4096), (256, 4096, 14336), (200, 1000, 4112)])
+#: does not tile (K % 128 = 32 and 16: the masked loop), one row, a down projection's K, and
+#: shapes whose few tiles split K (the interpreter's "GPU" has 4 SMs: 1040 = 4 splits of 288,
+#: the last one masked)
+ROWWISE_SHAPES = ([(1, 64, 128), (37, 96, 160), (100, 200, 256), (5, 32, 1040)] if INTERPRET
+                  else [(1, 4096, 4096), (77, 6144, 4096), (256, 4096, 14336), (200, 1000, 4112), (256, 4096, 4096)])
+#: tiles beside the table's: one that tiles nothing evenly, and split ones (cuBLASLt's tile size)
+ROWWISE_EXTRA_TILES = ([(16, 32, 32, 2, 2, 2, 1), (16, 32, 32, 2, 2, 2, 4)] if INTERPRET
+                       else [(16, 32, 32, 2, 2, 2, 1), (128, 128, 128, 8, 8, 3, 4), (64, 128, 128, 8, 4, 4, 4)])
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -156,8 +161,10 @@ ROWWISE_SHAPES = ([(1, 64, 128), (37, 96, 160), (100, 200, 256)] if INTERPRET
 def test_fp8_rowwise_mm_matches_reference_for_every_tile_shape(m, n, k, with_bias, device):
     """The Triton FP8 GEMM with each tile shape of its table (and one that tiles nothing evenly)
     against float32 products of the same FP8 values: within bf16 rounding plus the FP8 tensor
-    cores' accumulation between promotions."""
-    from pagedlm.backends.cuda.kernels.fp8_gemm import ROWWISE_TILES, fp8_rowwise_mm
+    cores' accumulation between promotions; split along K or not, the same values (partials are
+    float32), and the split-K counters left zero for the next launch."""
+    from pagedlm.backends.cuda.kernels.fp8_gemm import ROWWISE_TILES, fp8_rowwise_mm, num_sms, split_k
+    from pagedlm.backends.cuda.kernels.wna16_gemv import split_k_counters
     from pagedlm.core.layers.quantization.utils import quantize_fp8_per_token
 
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
@@ -172,12 +179,18 @@ def test_fp8_rowwise_mm_matches_reference_for_every_tile_shape(m, n, k, with_bia
     if bias is not None:
         ref = ref + bias.float()
     tol = 1e-2
-    for tiles in [*(t for t in ROWWISE_TILES.values() if t), (16, 32, 32, 2, 2, 2)]:
+    splits = set()
+    for tiles in [*(t for t in ROWWISE_TILES.values() if t), *ROWWISE_EXTRA_TILES]:
         out = fp8_rowwise_mm(x_q.to(device), x_scale.to(device), w.to(device), ws.to(device),
                              None if bias is None else bias.to(device), torch.bfloat16, tiles)
         assert out.dtype == torch.bfloat16 and out.shape == (m, n), tiles
         torch.testing.assert_close(out.float().cpu(), ref, atol=tol * ref.abs().max().item(), rtol=tol,
                                    msg=lambda text, t=tiles: f"tiles {t}: {text}")
+        block_m, block_n, block_k = tiles[:3]
+        splits.add(split_k(-(-m // block_m) * -(-n // block_n), k, block_k, tiles[6], num_sms(torch.device(device))))
+    if (m, n) in ((5, 32), (256, 4096)):
+        assert max(splits) > 1, "no tile shape split K"
+        assert not split_k_counters(torch.device(device), 1).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])

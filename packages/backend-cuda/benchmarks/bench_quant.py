@@ -25,8 +25,9 @@ won.)
 
 ``--sweep-fp8`` times the row-wise FP8 GEMM alone at decode-batch row counts (16 to 512):
 ``torch._scaled_mm``, the same with its operands swapped, and the Triton kernel of
-``kernels/fp8_gemm.py`` over its tile grid, summed over the four projections; it prints the
-tile table that follows (``--apply`` writes it into that file).
+``kernels/fp8_gemm.py`` over its tile grid (small tiles, and large ones split along K), summed
+over the projections it would take; it prints the tile table that follows (``--apply`` writes it
+into that file).
 """
 
 from __future__ import annotations
@@ -156,8 +157,11 @@ def sweep_fp8(dev: torch.device, gen: torch.Generator, apply: bool, rows: tuple[
 
     from pagedlm.backends.cuda.kernels import fp8_gemm
 
-    grid = [(bm, bn, 128, 8, w, st) for bm in (64, 128) for bn in (32, 64, 128, 256) for w in (4, 8)
+    grid = [(bm, bn, 128, 8, w, st, 1) for bm in (64, 128) for bn in (32, 64, 128, 256) for w in (4, 8)
             for st in (3, 4, 5)]
+    # few large tiles split along K (the split count follows the shape: fp8_gemm.split_k)
+    grid += [(bm, bn, 128, 8, w, st, sp) for bm in (128, 256) for bn in (64, 128) for w in (4, 8) for st in (3, 4)
+             for sp in (2, 4) if not (bm == 256 and w == 4)]
     sms = fp8_gemm.num_sms(dev)
     table: dict[int, tuple | None] = {}
     for m in rows:

@@ -6,10 +6,13 @@ workload, H100, 2026-12-06). A small decode batch then gives a 4096-wide weight 
 projections) 32 tiles, and most of an H100's 132 SMs idle while the weight streams through the
 others. Where cuBLASLt's tiles would not fill the SMs once (:func:`rowwise_tiles`) and the row
 count has an entry in :data:`ROWWISE_TILES` (measured by ``bench_quant.py --sweep-fp8``), this
-kernel runs instead with more, smaller tiles. Measured (H100, 2026-12-07, the q/k/v, o and down
+kernel runs instead with more, smaller tiles, or with cuBLASLt-sized tiles split along K
+(``SPLIT_K``: each split's float32 partial tile summed by the tile's last program, in split
+order, as the W4A16 GEMV does). Measured without splits (H100, 2026-12-07, the q/k/v, o and down
 projections together): 1.41x cuBLASLt at 16 rows, 1.26x at 64, 1.10x at 128, but 0.85x at 256,
-where cuBLASLt keeps the product (and a profiled fixed-workload run was 10 % slower with this
-kernel there); wide weights (gate_up) and prefills keep cuBLASLt too.
+where smaller tiles read each weight tile once per row tile (and a profiled fixed-workload run
+was 10 % slower with this kernel there): the split tiles are for those row counts. Wide weights
+(gate_up) and prefills keep cuBLASLt.
 
 The numerics are ``torch._scaled_mm``'s: FP8 x FP8 products summed on the tensor cores, promoted
 to float32 after each ``BLOCK_K`` slice (Hopper's FP8 MMAs keep fewer accumulator bits than
@@ -27,37 +30,45 @@ import triton
 import triton.language as tl
 
 from pagedlm.backends.cuda.kernels.launch import launch, pdl_options, pdl_wait
+from pagedlm.backends.cuda.kernels.wna16_gemv import split_k_counters, split_k_store
 
-__all__ = ["ROWWISE_TILES", "fp8_rowwise_mm", "num_sms", "rowwise_tiles"]
+__all__ = ["ROWWISE_TILES", "fp8_rowwise_mm", "num_sms", "rowwise_tiles", "split_k"]
 
 # The interpreter's FP8 dots are inexact (numpy); there the tiles are multiplied as float32
 # copies of the same FP8 values. Never set on a GPU.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-Tiles = tuple[int, int, int, int, int, int]
-#: ``max rows -> (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)``, or None for
-#: ``torch._scaled_mm``: the first entry whose bound is at least M applies, and M above every
-#: bound takes ``torch._scaled_mm`` too. ``bench_quant.py --sweep-fp8 --apply`` rewrites it
-#: (this table: its run on an H100, 2026-12-07).
+Tiles = tuple[int, int, int, int, int, int, int]
+#: ``max rows -> (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, MAX_SPLIT)``, or None
+#: for ``torch._scaled_mm``: the first entry whose bound is at least M applies, and M above every
+#: bound takes ``torch._scaled_mm`` too. ``MAX_SPLIT`` caps the split along K (:func:`split_k`).
+#: ``bench_quant.py --sweep-fp8 --apply`` rewrites it (this table: its run on an H100, 2026-12-07,
+#: before splits existed).
 ROWWISE_TILES: dict[int, Tiles | None] = {
-    16: (64, 64, 128, 8, 4, 5),
-    64: (64, 32, 128, 8, 4, 5),
-    128: (64, 64, 128, 8, 4, 5),
+    16: (64, 64, 128, 8, 4, 5, 1),
+    64: (64, 32, 128, 8, 4, 5, 1),
+    128: (64, 64, 128, 8, 4, 5, 1),
 }
 
 
 @triton.jit
 def _fp8_rowwise_kernel(
-    xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn,
+    stride_om, k_per_split,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ON_GPU: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, ON_GPU: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """``out [M, N] = (xq [M, K] @ w[N, K]^T) * xs[M] * ws[N] (+ bias)``, one output tile a program.
+    """``out [M, N] = (xq [M, K] @ w[N, K]^T) * xs[M] * ws[N] (+ bias)``: program ``(tile,
+    split)`` multiplies output tile ``tile`` over K range ``[split * k_per_split, ...)``.
 
-    Programs are numbered column tile by column tile, ``GROUP_M`` row tiles at a time, so the
-    programs that read one weight tile run together and it comes from HBM once."""
+    Tiles are numbered column tile by column tile, ``GROUP_M`` row tiles at a time, so the
+    programs that read one weight tile run together and it comes from HBM once. With
+    ``SPLIT_K > 1`` each split's scaled product is a float32 partial (``part [SPLIT_K, M, N]``)
+    that the tile's last program sums (``split_k_store``); the bias goes with split 0's."""
     pdl_wait(USE_PDL)
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
@@ -67,18 +78,21 @@ def _fp8_rowwise_kernel(
     pid_n = (pid % per_group) // rows_here
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    rk = k_start + tl.arange(0, BLOCK_K)
     # NOTE: rows and columns past the edge load row / column 0 instead of being masked (their
     # results are never stored), so only K needs a mask, and only when it does not tile evenly
+    # (k_per_split is a multiple of BLOCK_K)
     a_ptrs = xq_ptr + (rm % M).to(tl.int64)[:, None] * stride_xm + rk[None, :]
     b_ptrs = w_ptr + (rn % N).to(tl.int64)[:, None] * stride_wn + rk[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
         else:
-            k_ok = (k0 + rk) < K
+            k_ok = (k0 - k_start + rk) < k_end
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
         if ON_GPU:
@@ -92,10 +106,14 @@ def _fp8_rowwise_kernel(
     xs = tl.load(xs_ptr + rm, mask=m_ok, other=0.0)
     ws = tl.load(ws_ptr + rn, mask=n_ok, other=0.0)
     acc = acc * xs[:, None] * ws[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    if HAS_BIAS:  # noqa: SIM102 (a compile-time branch around a runtime one)
+        if pid_k == 0:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        split_k_store(acc, out_ptr, part_ptr, count_ptr, rm, rn, M, N, stride_om, pid, pid_k, SPLIT_K)
 
 
 #: cuBLASLt's row-wise FP8 output tile (rows, columns), whatever the row count
@@ -110,6 +128,13 @@ def rowwise_tiles(m: int, n: int, num_sms: int) -> Tiles | None:
         return None
     bound = min((b for b in ROWWISE_TILES if b >= m), default=None)
     return None if bound is None else ROWWISE_TILES[bound]
+
+
+def split_k(tiles: int, k: int, block_k: int, max_split: int, num_sms: int) -> int:
+    """Splits along K for ``tiles`` output tiles: as many as keep the grid within one wave of
+    ``num_sms`` programs (a second, partial wave would idle most SMs again), at most
+    ``max_split``, each split at least four ``block_k`` steps long."""
+    return max(1, min(max_split, num_sms // tiles, k // (4 * block_k)))
 
 
 @functools.cache
@@ -131,14 +156,22 @@ def fp8_rowwise_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tenso
     are read bytewise."""
     m, k = x_q.shape
     n = weight.shape[0]
-    block_m, block_n, block_k, group_m, num_warps, num_stages = tiles
+    block_m, block_n, block_k, group_m, num_warps, num_stages, max_split = tiles
     out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
     if m == 0:
         return out
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-    launch(_fp8_rowwise_kernel, grid, x_q, x_scale, weight, weight_scale, bias if bias is not None else x_scale,
-           out, m, n, k, x_q.stride(0), weight.stride(0), out.stride(0),
+    num_tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split = split_k(num_tiles, k, block_k, max_split, num_sms(x_q.device))
+    counters = split_k_counters(x_q.device, num_tiles) if split > 1 else None
+    if counters is None:
+        split = 1
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_per_split)
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x_q.device) if split > 1 else out
+    launch(_fp8_rowwise_kernel, (num_tiles, split), x_q, x_scale, weight, weight_scale,
+           bias if bias is not None else x_scale, out, part, counters if counters is not None else x_scale,
+           m, n, k, x_q.stride(0), weight.stride(0), out.stride(0), k_per_split,
            HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-           GROUP_M=group_m, ON_GPU=not INTERPRET, num_warps=num_warps, num_stages=num_stages,
+           GROUP_M=group_m, SPLIT_K=split, ON_GPU=not INTERPRET, num_warps=num_warps, num_stages=num_stages,
            **pdl_options(x_q.device))
     return out
