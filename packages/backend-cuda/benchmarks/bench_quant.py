@@ -143,7 +143,8 @@ def sweep_gemv(dev: torch.device, gen: torch.Generator) -> None:
 FP8_SWEEP_ROWS = (16, 64, 128, 256, 512)
 
 
-def sweep_fp8(dev: torch.device, gen: torch.Generator, apply: bool, rows: tuple[int, ...] | list[int]) -> None:
+def sweep_fp8(dev: torch.device, gen: torch.Generator, apply: bool, rows: tuple[int, ...] | list[int],
+              split_only: bool = False) -> None:
     """The row-wise FP8 GEMM alone (activations already quantized) per row count, summed over the
     projections of one decoder layer that the op routes to the Triton kernel at that count (those
     where cuBLASLt's tiles would leave SMs idle): ``torch._scaled_mm``, the same with the operands
@@ -162,8 +163,11 @@ def sweep_fp8(dev: torch.device, gen: torch.Generator, apply: bool, rows: tuple[
     # few large tiles split along K (the split count follows the shape: fp8_gemm.split_k)
     grid += [(bm, bn, 128, 8, w, st, sp) for bm in (128, 256) for bn in (64, 128) for w in (4, 8) for st in (3, 4)
              for sp in (2, 4) if not (bm == 256 and w == 4)]
+    if split_only:
+        grid = [tiles for tiles in grid if tiles[-1] > 1]
     sms = fp8_gemm.num_sms(dev)
-    table: dict[int, tuple | None] = {}
+    # the row counts not swept keep their entries
+    table: dict[int, tuple | None] = {m: t for m, t in fp8_gemm.ROWWISE_TILES.items() if m not in rows}
     for m in rows:
         totals: dict[object, float] = {}
         counts: dict[object, int] = {}
@@ -231,6 +235,8 @@ def main() -> int:
     parser.add_argument("--sweep-fp8", action="store_true",
                         help="tune the row-wise FP8 GEMM's tiles per row count instead (see above)")
     parser.add_argument("--apply", action="store_true", help="with --sweep-fp8: write the table it finds")
+    parser.add_argument("--split-only", action="store_true",
+                        help="with --sweep-fp8: only the tiles split along K (row counts past the small tiles' wins)")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     dev = torch.device("cuda")
@@ -239,7 +245,8 @@ def main() -> int:
         sweep_gemv(dev, gen)
         return 0
     if args.sweep_fp8:
-        sweep_fp8(dev, gen, args.apply, [int(r) for r in args.rows.split(",")] if args.rows else FP8_SWEEP_ROWS)
+        sweep_fp8(dev, gen, args.apply, [int(r) for r in args.rows.split(",")] if args.rows else FP8_SWEEP_ROWS,
+                  args.split_only)
         return 0
     rows = [int(r) for r in (args.rows or "1,16,256").split(",")]
     fp8 = torch.cuda.get_device_capability(dev) >= (8, 9)
