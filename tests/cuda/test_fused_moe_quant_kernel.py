@@ -26,18 +26,33 @@ LARGE = [(64, 2048, 768, 128, 8), (512, 2048, 768, 128, 8), (7, 4096, 14336, 8, 
 
 
 def _fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [E, N, K]`` -> float8 weights with per-channel scales ``[E, N]``."""
-    scale = (w.float().abs().amax(dim=-1) / 448.0).clamp(min=1e-12)
-    return (w.float() / scale.unsqueeze(-1)).to(torch.float8_e4m3fn), scale
+    """``w [E, N, K]`` -> float8 weights with per-channel scales ``[E, N]``, one expert at a time
+    (see :func:`_packed_experts`)."""
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+    for e in range(w.shape[0]):
+        scale[e] = (w[e].float().abs().amax(dim=-1) / 448.0).clamp(min=1e-12)
+        q[e] = (w[e].float() / scale[e].unsqueeze(-1)).to(torch.float8_e4m3fn)
+    return q, scale
 
 
 def _packed_experts(w: torch.Tensor, bits: int, group: int, symmetric: bool):
-    """``w [E, N, K]`` -> ``(qweight [E, N, K / pack], scales [E, N, K / G], zeros | None)``."""
+    """``w [E, N, K]`` -> ``(qweight [E, N, K / pack], scales [E, N, K / G], zeros | None)``.
+
+    One expert at a time: the float32 and int32 copies of a whole model-sized ``w13``
+    (8 x 28672 x 4096) held ~28 GiB at once, and the xdist workers beside this test then ran out of
+    GPU memory (4 tests, 8 workers on an 80 GB H100, 2026-12-07)."""
+    parts = [_packed_expert(w[e], bits, group, symmetric) for e in range(w.shape[0])]
+    packed, scale, zero = (None if parts[0][i] is None else torch.stack([p[i] for p in parts]) for i in range(3))
+    return packed, scale, zero
+
+
+def _packed_expert(w: torch.Tensor, bits: int, group: int, symmetric: bool):
     from pagedlm.core.layers.quantization.utils import pack_cols
 
-    e, n, k = w.shape
+    n, k = w.shape
     g = k if group == -1 else group
-    grouped = w.float().reshape(e, n, k // g, g)
+    grouped = w.float().reshape(n, k // g, g)
     qmax = (1 << bits) - 1
     if symmetric:
         scale = grouped.abs().amax(-1) / (qmax / 2)
@@ -48,8 +63,7 @@ def _packed_experts(w: torch.Tensor, bits: int, group: int, symmetric: bool):
         zero = torch.round(-lo / scale.clamp(min=1e-10)).clamp(0, qmax).to(torch.int32)
     scale = scale.clamp(min=1e-10)
     q = torch.round(grouped / scale.unsqueeze(-1) + zero.unsqueeze(-1)).clamp(0, qmax).to(torch.int32)
-    packed = pack_cols(q.reshape(e * n, k), bits).reshape(e, n, -1)
-    return packed, scale.to(w.dtype), None if symmetric else zero
+    return pack_cols(q.reshape(n, k), bits), scale.to(w.dtype), None if symmetric else zero
 
 
 def _cpu(*tensors):
