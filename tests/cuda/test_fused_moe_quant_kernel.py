@@ -39,9 +39,9 @@ def _fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _packed_experts(w: torch.Tensor, bits: int, group: int, symmetric: bool):
     """``w [E, N, K]`` -> ``(qweight [E, N, K / pack], scales [E, N, K / G], zeros | None)``.
 
-    One expert at a time: the float32 and int32 copies of a whole model-sized ``w13``
-    (8 x 28672 x 4096) held ~28 GiB at once, and the xdist workers beside this test then ran out of
-    GPU memory (4 tests, 8 workers on an 80 GB H100, 2026-12-07)."""
+    One expert at a time: each float32 or int32 copy of a whole model-sized ``w13`` (8 x 28672 x
+    4096) is 3.5 GiB and several are alive at once; a worker held 28 GiB while 4 tests beside it
+    ran out of GPU memory (8 xdist workers on an 80 GB H100, 2026-12-07)."""
     parts = [_packed_expert(w[e], bits, group, symmetric) for e in range(w.shape[0])]
     packed, scale, zero = (None if parts[0][i] is None else torch.stack([p[i] for p in parts]) for i in range(3))
     return packed, scale, zero
