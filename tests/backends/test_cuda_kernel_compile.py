@@ -71,11 +71,25 @@ def test_fp8_rowwise_gemm_takes_only_the_products_cublas_tiles_leave_sms_idle():
     from pagedlm.backends.cuda.kernels.fp8_gemm import ROWWISE_TILES, rowwise_tiles
 
     largest = max(ROWWISE_TILES)
-    assert rowwise_tiles(largest, 4096, 132) == ROWWISE_TILES[largest]
-    assert rowwise_tiles(1, 6144, 132) == ROWWISE_TILES[min(ROWWISE_TILES)]
-    assert rowwise_tiles(256, 28672, 132) is None
-    assert rowwise_tiles(16384, 4096, 132) is None
-    assert rowwise_tiles(largest + 1, 128, 132) is None
+    assert rowwise_tiles(largest, 4096, 4096, 132) == ROWWISE_TILES[largest]
+    assert rowwise_tiles(1, 6144, 4096, 132) == ROWWISE_TILES[min(ROWWISE_TILES)]
+    assert rowwise_tiles(256, 28672, 4096, 132) is None
+    assert rowwise_tiles(16384, 4096, 4096, 132) is None
+    assert rowwise_tiles(largest + 1, 128, 4096, 132) is None
+
+
+def test_fp8_rowwise_split_tiles_take_only_the_products_they_split(monkeypatch):
+    """A table entry of cuBLASLt-sized tiles split along K (256 rows, 132 SMs): o and down (64
+    tiles) split in two and take the Triton kernel; q/k/v (96 tiles) would not split, so it keeps
+    cuBLASLt, whose tiles are the same; a K too short for two 4-step splits keeps it too."""
+    from pagedlm.backends.cuda.kernels import fp8_gemm
+
+    split_tiles = (128, 128, 128, 8, 8, 3, 4)
+    monkeypatch.setattr(fp8_gemm, "ROWWISE_TILES", {256: split_tiles})
+    assert fp8_gemm.rowwise_tiles(256, 4096, 4096, 132) == split_tiles
+    assert fp8_gemm.split_k(64, 14336, 128, 4, 132) == 2
+    assert fp8_gemm.rowwise_tiles(256, 6144, 4096, 132) is None
+    assert fp8_gemm.rowwise_tiles(256, 4096, 512, 132) is None
 
 
 @pytest.mark.parametrize("has_residual", [False, True])

@@ -26,8 +26,8 @@ won.)
 ``--sweep-fp8`` times the row-wise FP8 GEMM alone at decode-batch row counts (16 to 512):
 ``torch._scaled_mm``, the same with its operands swapped, and the Triton kernel of
 ``kernels/fp8_gemm.py`` over its tile grid (small tiles, and large ones split along K), summed
-over the projections it would take; it prints the tile table that follows (``--apply`` writes it
-into that file).
+over the projections it would take (a split entry counts cuBLASLt's time for a product it would not
+split, as the op does); it prints the tile table that follows (``--apply`` writes it into that file).
 """
 
 from __future__ import annotations
@@ -192,12 +192,22 @@ def sweep_fp8(dev: torch.device, gen: torch.Generator, apply: bool, rows: tuple[
             for tiles in grid:
                 calls[tiles] = lambda w, x_q=x_q, xs=xs, ws=ws, t=tiles: fp8_gemm.fp8_rowwise_mm(
                     x_q, xs, w, ws, None, torch.bfloat16, t)
+            shape_base = float("nan")
             for key, call in calls.items():
+                tiles_here = None if not isinstance(key, tuple) else (
+                    math.ceil(m / key[0]) * math.ceil(n / key[1]))
+                if tiles_here is not None and key[6] > 1 and fp8_gemm.split_k(tiles_here, k, key[2], key[6], sms) == 1:
+                    # the op leaves a product its split tiles would not split to cuBLASLt
+                    totals[key] = totals.get(key, 0.0) + shape_base
+                    counts[key] = counts.get(key, 0) + 1
+                    continue
                 try:
                     if rel_err(call(wf), ref) > 1e-2:
                         print(f"  M={m} {name}: {key} is WRONG")
                         continue
                     t, _ = time_cycled(call, wf, nbytes(wf, ws))
+                    if key == "scaled_mm":
+                        shape_base = t
                 except (OutOfResources, RuntimeError) as e:  # a grid point that does not fit (shared memory)
                     print(f"  M={m} {name}: {key} failed: {type(e).__name__}: {str(e)[:120]}")
                     continue

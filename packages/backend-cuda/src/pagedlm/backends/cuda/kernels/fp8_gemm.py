@@ -120,14 +120,21 @@ def _fp8_rowwise_kernel(
 CUBLAS_TILE = (128, 128)
 
 
-def rowwise_tiles(m: int, n: int, num_sms: int) -> Tiles | None:
-    """The tiles of this kernel for an ``[m, K] x [K, n]`` product on a GPU of ``num_sms`` SMs, or
+def rowwise_tiles(m: int, n: int, k: int, num_sms: int) -> Tiles | None:
+    """The tiles of this kernel for an ``[m, k] x [k, n]`` product on a GPU of ``num_sms`` SMs, or
     None for ``torch._scaled_mm``: the :data:`ROWWISE_TILES` entry for ``m`` where cuBLASLt's
-    tiles would leave SMs idle (fewer of them than SMs)."""
+    tiles would leave SMs idle (fewer of them than SMs). An entry that may split K but would not
+    split this product (:func:`split_k`: too many tiles for two splits to fit one wave) is left
+    to cuBLASLt: its tiles are the ones splitting was to make up for."""
     if triton.cdiv(m, CUBLAS_TILE[0]) * triton.cdiv(n, CUBLAS_TILE[1]) >= num_sms:
         return None
     bound = min((b for b in ROWWISE_TILES if b >= m), default=None)
-    return None if bound is None else ROWWISE_TILES[bound]
+    tiles = None if bound is None else ROWWISE_TILES[bound]
+    if tiles is not None and tiles[6] > 1:
+        num_tiles = triton.cdiv(m, tiles[0]) * triton.cdiv(n, tiles[1])
+        if split_k(num_tiles, k, tiles[2], tiles[6], num_sms) == 1:
+            return None
+    return tiles
 
 
 def split_k(tiles: int, k: int, block_k: int, max_split: int, num_sms: int) -> int:

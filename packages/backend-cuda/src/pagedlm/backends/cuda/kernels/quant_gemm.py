@@ -170,7 +170,8 @@ def fp8_quantized_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Ten
         out = torch._scaled_mm(x_q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
         out = out * x_scale * scale_b
     elif (out_dtype != torch.float32 and weight.stride(-1) == 1
-          and (tiles := rowwise_tiles(x_q.shape[0], weight.shape[0], num_sms(x_q.device))) is not None):
+          and (tiles := rowwise_tiles(x_q.shape[0], weight.shape[0], x_q.shape[1],
+                                      num_sms(x_q.device))) is not None):
         return fp8_rowwise_mm(x_q, x_scale, weight, scale_b.reshape(-1), bias, out_dtype, tiles)
     else:
         mm_dtype = torch.bfloat16 if out_dtype == torch.float32 else out_dtype
