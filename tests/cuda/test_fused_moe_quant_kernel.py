@@ -31,8 +31,9 @@ def _fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
     scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
     for e in range(w.shape[0]):
-        scale[e] = (w[e].float().abs().amax(dim=-1) / 448.0).clamp(min=1e-12)
-        q[e] = (w[e].float() / scale[e].unsqueeze(-1)).to(torch.float8_e4m3fn)
+        expert = w[e].float()
+        scale[e] = (expert.abs().amax(dim=-1) / 448.0).clamp(min=1e-12)
+        q[e] = (expert / scale[e].unsqueeze(-1)).to(torch.float8_e4m3fn)
     return q, scale
 
 

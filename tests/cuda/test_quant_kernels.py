@@ -163,7 +163,7 @@ def test_fp8_rowwise_mm_matches_reference_for_every_tile_shape(m, n, k, with_bia
     against float32 products of the same FP8 values: within bf16 rounding plus the FP8 tensor
     cores' accumulation between promotions; split along K or not, the same values (partials are
     float32), and the split-K counters left zero for the next launch."""
-    from pagedlm.backends.cuda.kernels.fp8_gemm import ROWWISE_TILES, fp8_rowwise_mm, num_sms, split_k
+    from pagedlm.backends.cuda.kernels.fp8_gemm import ROWWISE_TILES, fp8_rowwise_mm, num_sms, product_split
     from pagedlm.backends.cuda.kernels.wna16_gemv import split_k_counters
     from pagedlm.core.layers.quantization.utils import quantize_fp8_per_token
 
@@ -186,8 +186,7 @@ def test_fp8_rowwise_mm_matches_reference_for_every_tile_shape(m, n, k, with_bia
         assert out.dtype == torch.bfloat16 and out.shape == (m, n), tiles
         torch.testing.assert_close(out.float().cpu(), ref, atol=tol * ref.abs().max().item(), rtol=tol,
                                    msg=lambda text, t=tiles: f"tiles {t}: {text}")
-        block_m, block_n, block_k = tiles[:3]
-        splits.add(split_k(-(-m // block_m) * -(-n // block_n), k, block_k, tiles[6], num_sms(torch.device(device))))
+        splits.add(product_split(m, n, k, tiles, num_sms(torch.device(device))))
     if (m, n) in ((5, 32), (256, 4096)):
         assert max(splits) > 1, "no tile shape split K"
         assert not split_k_counters(torch.device(device), 1).any()

@@ -194,9 +194,7 @@ def sweep_fp8(dev: torch.device, gen: torch.Generator, apply: bool, rows: tuple[
                     x_q, xs, w, ws, None, torch.bfloat16, t)
             shape_base = float("nan")
             for key, call in calls.items():
-                tiles_here = None if not isinstance(key, tuple) else (
-                    math.ceil(m / key[0]) * math.ceil(n / key[1]))
-                if tiles_here is not None and key[6] > 1 and fp8_gemm.split_k(tiles_here, k, key[2], key[6], sms) == 1:
+                if isinstance(key, tuple) and key[6] > 1 and fp8_gemm.product_split(m, n, k, key, sms) == 1:
                     # the op leaves a product its split tiles would not split to cuBLASLt
                     totals[key] = totals.get(key, 0.0) + shape_base
                     counts[key] = counts.get(key, 0) + 1

@@ -32,7 +32,7 @@ import triton.language as tl
 from pagedlm.backends.cuda.kernels.launch import launch, pdl_options, pdl_wait
 from pagedlm.backends.cuda.kernels.wna16_gemv import split_k_counters, split_k_store
 
-__all__ = ["ROWWISE_TILES", "fp8_rowwise_mm", "num_sms", "rowwise_tiles", "split_k"]
+__all__ = ["ROWWISE_TILES", "fp8_rowwise_mm", "num_sms", "product_split", "rowwise_tiles", "split_k"]
 
 # The interpreter's FP8 dots are inexact (numpy); there the tiles are multiplied as float32
 # copies of the same FP8 values. Never set on a GPU.
@@ -130,10 +130,8 @@ def rowwise_tiles(m: int, n: int, k: int, num_sms: int) -> Tiles | None:
         return None
     bound = min((b for b in ROWWISE_TILES if b >= m), default=None)
     tiles = None if bound is None else ROWWISE_TILES[bound]
-    if tiles is not None and tiles[6] > 1:
-        num_tiles = triton.cdiv(m, tiles[0]) * triton.cdiv(n, tiles[1])
-        if split_k(num_tiles, k, tiles[2], tiles[6], num_sms) == 1:
-            return None
+    if tiles is not None and tiles[6] > 1 and product_split(m, n, k, tiles, num_sms) == 1:
+        return None
     return tiles
 
 
@@ -142,6 +140,12 @@ def split_k(tiles: int, k: int, block_k: int, max_split: int, num_sms: int) -> i
     ``num_sms`` programs (a second, partial wave would idle most SMs again), at most
     ``max_split``, each split at least four ``block_k`` steps long."""
     return max(1, min(max_split, num_sms // tiles, k // (4 * block_k)))
+
+
+def product_split(m: int, n: int, k: int, tiles: Tiles, num_sms: int) -> int:
+    """:func:`split_k` for an ``[m, k] x [k, n]`` product in ``tiles``."""
+    block_m, block_n, block_k = tiles[:3]
+    return split_k(triton.cdiv(m, block_m) * triton.cdiv(n, block_n), k, block_k, tiles[6], num_sms)
 
 
 @functools.cache
@@ -163,12 +167,12 @@ def fp8_rowwise_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tenso
     are read bytewise."""
     m, k = x_q.shape
     n = weight.shape[0]
-    block_m, block_n, block_k, group_m, num_warps, num_stages, max_split = tiles
+    block_m, block_n, block_k, group_m, num_warps, num_stages, _ = tiles
     out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
     if m == 0:
         return out
     num_tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = split_k(num_tiles, k, block_k, max_split, num_sms(x_q.device))
+    split = product_split(m, n, k, tiles, num_sms(x_q.device))
     counters = split_k_counters(x_q.device, num_tiles) if split > 1 else None
     if counters is None:
         split = 1
