@@ -49,6 +49,9 @@ TEST_DEPS = [
     # (pagedlm-core[bench]).
     "aiohttp>=3.9",
     "matplotlib>=3.8",
+    # tests/backends/test_w4a16_mma_layout.py compiles the CUDA backend's NVRTC kernels for sm_90 on a
+    # CPU (the library torch's CUDA wheels bring; the CPU wheel does not).
+    "nvidia-cuda-nvrtc-cu12",
     # tests/gguf and tests/gemma: GGUF reading/writing, the real default model (Gemma 3 270M,
     # pagedlm-models-gemma[default-model]), and HF transformers loading GGUF files (needs accelerate).
     "gguf>=0.10",

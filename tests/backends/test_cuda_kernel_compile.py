@@ -185,13 +185,15 @@ def test_wna16_gemv_unpacks_a_4_bit_field_in_one_logic_instruction():
     assert len(ops) < 4.5 * fields
 
 
-def test_wna16_gemm_finds_groups_without_an_integer_division():
-    """The same for the GEMM that takes more than four rows."""
+@pytest.mark.parametrize("mma_layout", [False, True])
+def test_wna16_gemm_finds_groups_without_an_integer_division(mma_layout):
+    """The same for the GEMM that takes more than four rows (in either weight layout: the mma
+    layout's word index divides K by 64, a shift)."""
     from pagedlm.backends.cuda.kernels.quant_gemm import _wna16_kernel
 
     ptx = _wna16_ptx(_wna16_kernel, {"GROUP_SIZE": 128, "BITS": 4, "HAS_ZEROS": True, "HAS_G_IDX": False,
                                      "SPLIT_K": 1, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32,
-                                     "DOT_PRECISION": "tf32"})
+                                     "DOT_PRECISION": "tf32", "MMA_LAYOUT": mma_layout})
     assert "mma.sync" in ptx or "wgmma" in ptx
     assert not _has_integer_division(ptx)
 

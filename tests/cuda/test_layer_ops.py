@@ -25,7 +25,8 @@ def fused(device):
     ops = custom_ops.registered_ops("cuda")
     assert set(ops) == {"rms_norm", "fused_add_rms_norm", "rotary_embedding", "qk_norm_rotary_embedding",
                         "silu_and_mul", "gumbel_sample", "fused_experts", "wna16_gemm", "fp8_scaled_mm",
-                        "int8_scaled_mm", "lora_shrink", "lora_expand", "apply_token_bitmask", "fused_experts_fp8",
+                        "int8_scaled_mm", "wna16_repack", "lora_shrink", "lora_expand", "apply_token_bitmask",
+                        "fused_experts_fp8",
                         "fused_experts_wna16", "unquantized_gemm", "fp8_block_scaled_mm", "fp8_quantized_mm",
                         "rms_norm_fp8_quant", "fused_add_rms_norm_fp8_quant", "silu_and_mul_fp8_quant"}
     with custom_ops.use_ops(ops):

@@ -45,12 +45,13 @@ def _wna16_inputs(m, n, k, bits, group, zeros, act_order, dtype, device, seed=0)
 
 
 def _check_wna16(bits, group, zeros, act_order, m, n, k, device, dtype=None):
-    from pagedlm.backends.cuda.kernels.quant_gemm import wna16_gemm
+    from pagedlm.backends.cuda.kernels.quant_gemm import wna16_gemm, wna16_repack
 
     dtype = dtype or (torch.float32 if INTERPRET else torch.bfloat16)
     g = k if group == -1 else group
     x, qw, s, z, g_idx = _wna16_inputs(m, n, k, bits, g, zeros, act_order, dtype, device)
-    out = wna16_gemm(x, qw, s, z, g_idx, bits, g)
+    # the op reads the weights as the platform's wna16_repack left them (API 1.11)
+    out = wna16_gemm(x, wna16_repack(qw, s, z, g_idx, bits, g), s, z, g_idx, bits, g)
     ref = wna16_gemm_ref(x.float(), qw, s.float(), z, g_idx, bits, g)
     assert out.dtype == dtype and out.shape == (m, n)
     tol = 1e-3 if dtype == torch.float32 else 2e-2
@@ -71,6 +72,27 @@ def test_wna16_gemm_matches_dequantize_then_matmul(bits, group, zeros, act_order
 @pytest.mark.parametrize("m, n, k", SMALL_M_SHAPES)
 def test_wna16_decode_kernels_match_dequantize_then_matmul(bits, group, zeros, act_order, m, n, k, device):
     _check_wna16(bits, group, zeros, act_order, m, n, k, device)
+
+
+#: the tensor-core GEMV's layout read by the Triton GEMM (rows past the GEMV's 8, or activations in
+#: another dtype than the scales): K blocks of 64, 16-row tiles, a partial last GEMM tile
+MMA_LAYOUT_SHAPES = [(9, 48, 128), (3, 32, 256)] if INTERPRET else [(9, 4096, 4096), (64, 6144, 4096),
+                                                                    (300, 1040, 1024)]
+
+
+@pytest.mark.parametrize("group, zeros", [(64, False), (128, True), (-1, False)])
+@pytest.mark.parametrize("m, n, k", MMA_LAYOUT_SHAPES)
+def test_wna16_triton_gemm_reads_the_mma_layout(group, zeros, m, n, k, device):
+    from pagedlm.backends.cuda.kernels.quant_gemm import wna16_triton_gemm
+    from pagedlm.backends.cuda.kernels.w4a16_mma import mma_repack
+
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    g = k if group == -1 else group
+    x, qw, s, z, _ = _wna16_inputs(m, n, k, 4, g, zeros, False, dtype, device)
+    out = wna16_triton_gemm(x, mma_repack(qw), s, z, None, 4, g, mma_layout=True)
+    ref = wna16_gemm_ref(x.float(), qw, s.float(), z, None, 4, g)
+    tol = 1e-3 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
@@ -285,7 +307,7 @@ def test_quantized_ops_are_registered_for_cuda():
     from pagedlm.core.plugins import get_plugins
 
     ops = {(s.op_name, s.platform): s.function_path for s in get_plugins().ops()}
-    for op in ("wna16_gemm", "fp8_scaled_mm", "int8_scaled_mm"):
+    for op in ("wna16_gemm", "wna16_repack", "fp8_scaled_mm", "int8_scaled_mm"):
         assert ops[(op, "cuda")] == f"pagedlm.backends.cuda.kernels.quant_gemm:{op}"
     assert ops[("fp8_block_scaled_mm", "cuda")] == "pagedlm.backends.cuda.kernels.fp8_block:fp8_block_scaled_mm"
 

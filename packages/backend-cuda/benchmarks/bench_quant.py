@@ -23,6 +23,10 @@ the next step's loads in registers or not) and prints the best setting per shape
 default's. (Pipeline stages through shared memory were in the grid until 2026-12-06 and never
 won.)
 
+``--sweep-mma`` times the tensor-core W4A16 GEMV (``kernels/w4a16_mma.py``) over its grid (warps
+per block, K blocks in flight per warp, warps per SM the grid is sized for) at each shape and row
+count (default 1, 4, 8), beside the Triton GEMV, and sums each setting over the four projections.
+
 ``--sweep-fp8`` times the row-wise FP8 GEMM alone at decode-batch row counts (16 to 512):
 ``torch._scaled_mm``, the same with its operands swapped, and the Triton kernel of
 ``kernels/fp8_gemm.py`` over its tile grid (small tiles, and large ones split along K), summed
@@ -43,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedlm.backends.cuda.kernels.quant_act import quantize_rows
-from pagedlm.backends.cuda.kernels.quant_gemm import fp8_scaled_mm, int8_scaled_mm, wna16_gemm
+from pagedlm.backends.cuda.kernels.quant_gemm import fp8_scaled_mm, int8_scaled_mm, wna16_gemm, wna16_repack
 from pagedlm.core.layers.quantization.utils import (
     fp8_scaled_mm_ref,
     int8_scaled_mm_ref,
@@ -138,6 +142,48 @@ def sweep_gemv(dev: torch.device, gen: torch.Generator) -> None:
         print(f"{name} N={n} K={k}: default {default * 1e3:.1f} us ({size / default / 1e6:.0f} GB/s); best:")
         for t, tuning in timings[:3]:
             print(f"  {t * 1e3:.1f} us ({size / t / 1e6:.0f} GB/s) {tuning}")
+
+
+def sweep_mma(dev: torch.device, gen: torch.Generator, rows: list[int]) -> None:
+    """The tensor-core W4A16 GEMV (group 128, symmetric) over its grid (warps per block, blocks in
+    flight per warp, warps per SM the grid is sized for) and at its defaults, per Llama-3.1-8B
+    shape and row count, next to the Triton GEMV's default (at most 4 rows)."""
+    from pagedlm.backends.cuda.kernels.w4a16_mma import mma_repack, w4a16_mma_gemv
+    from pagedlm.backends.cuda.kernels.wna16_gemv import GEMV_MAX_ROWS, wna16_gemv
+
+    total: dict[str, float] = {}
+    for m in rows:
+        for name, n, k in LLAMA_8B:
+            x = torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16)
+            qw = pack_rows(torch.randint(0, 16, (k, n), device=dev, generator=gen, dtype=torch.int32), 4)
+            s = (torch.rand(k // 128, n, device=dev, generator=gen) * 0.01 + 1e-3).to(torch.bfloat16)
+            ref = wna16_gemm_ref(x.float(), qw, s.float(), None, None, 4, 128)
+            size = nbytes(qw, s)
+            line = [f"M={m} {name} N={n} K={k}:"]
+            if m <= GEMV_MAX_ROWS:
+                t, _ = time_cycled(lambda w, x=x, s=s: wna16_gemv(x, w, s, None, None, 4, 128), qw, size)
+                line.append(f"triton {t * 1e3:.1f} us ({size / t / 1e6:.0f} GB/s)")
+                total[f"M={m} triton"] = total.get(f"M={m} triton", 0.0) + t
+            packed = mma_repack(qw)
+            timings = []
+            for warps, stages, per_sm in itertools.product((1, 2, 4, 8), (4, 8), (16, 32, 64)):
+                tuning = dict(warps=warps, stages=stages, warps_per_sm=per_sm)
+                if rel_err(w4a16_mma_gemv(x, packed, s, None, 128, **tuning), ref) > 2e-2:
+                    line.append(f"{tuning} WRONG")
+                    continue
+                t, _ = time_cycled(lambda w, x=x, s=s, a=tuning: w4a16_mma_gemv(x, w, s, None, 128, **a), packed, size)
+                key = f"warps={warps} stages={stages} warps_per_sm={per_sm}"
+                timings.append((t, key))
+                total[f"M={m} mma {key}"] = total.get(f"M={m} mma {key}", 0.0) + t
+            t_default, _ = time_cycled(lambda w, x=x, s=s: w4a16_mma_gemv(x, w, s, None, 128), packed, size)
+            total[f"M={m} mma default"] = total.get(f"M={m} mma default", 0.0) + t_default
+            t, key = min(timings)
+            line.append(f"mma default {t_default * 1e3:.1f} us ({size / t_default / 1e6:.0f} GB/s), "
+                        f"best {key} {t * 1e3:.1f} us ({size / t / 1e6:.0f} GB/s)")
+            print("  ".join(line), flush=True)
+    print("sum over the four projections (one layer):")
+    for key, t in sorted(total.items(), key=lambda item: item[1]):
+        print(f"  {key}: {t * 1e3:.1f} us")
 
 
 FP8_SWEEP_ROWS = (16, 64, 128, 256, 512)
@@ -240,6 +286,8 @@ def main() -> int:
                         help="comma-separated row counts M (default 1,16,256; with --sweep-fp8 16,64,128,256,512)")
     parser.add_argument("--full", action="store_true", help="every bit width, group size, zero point and act-order")
     parser.add_argument("--sweep-gemv", action="store_true", help="tune the decode GEMV instead (see above)")
+    parser.add_argument("--sweep-mma", action="store_true",
+                        help="tune the tensor-core W4A16 GEMV instead (rows default 1,4,8)")
     parser.add_argument("--sweep-fp8", action="store_true",
                         help="tune the row-wise FP8 GEMM's tiles per row count instead (see above)")
     parser.add_argument("--apply", action="store_true", help="with --sweep-fp8: write the table it finds")
@@ -251,6 +299,9 @@ def main() -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     if args.sweep_gemv:
         sweep_gemv(dev, gen)
+        return 0
+    if args.sweep_mma:
+        sweep_mma(dev, gen, [int(r) for r in (args.rows or "1,4,8").split(",")])
         return 0
     if args.sweep_fp8:
         sweep_fp8(dev, gen, args.apply, [int(r) for r in args.rows.split(",")] if args.rows else FP8_SWEEP_ROWS,
@@ -293,10 +344,11 @@ def main() -> int:
                     if zeros else None
                 gi = (torch.arange(k, device=dev) // g)[torch.randperm(k, device=dev, generator=gen)].to(torch.int32) \
                     if act_order else None
-                err = rel_err(wna16_gemm(x, qw, s, z, gi, bits, g),
+                packed = wna16_repack(qw, s, z, gi, bits, g)  # the layout the op reads (the engine's)
+                err = rel_err(wna16_gemm(x, packed, s, z, gi, bits, g),
                               wna16_gemm_ref(x.float(), qw, s.float(), z, gi, bits, g))
                 size = nbytes(qw, s, z, gi)
-                t, mode = time_cycled(lambda w, x=x, a=(s, z, gi, bits, g): wna16_gemm(x, w, *a), qw, size)
+                t, mode = time_cycled(lambda w, x=x, a=(s, z, gi, bits, g): wna16_gemm(x, w, *a), packed, size)
                 label = f"w{bits}a16 g{group}{' zp' if zeros else ''}{' act-order' if act_order else ''}"
                 record("wna16_gemm", label, name, m, n, k, t, mode, size, t_bf16, err, 2e-2, bits=bits,
                        group=group, zeros=zeros, act_order=act_order)

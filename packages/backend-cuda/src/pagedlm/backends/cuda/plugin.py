@@ -53,8 +53,9 @@ def pagedlm_register_ops(register: Callable[..., None]) -> None:
     # Full-precision linears at decode (kernels/dense_gemv.py): a Triton GEMV for the shapes its
     # table lists, F.linear for the others.
     register("unquantized_gemm", "cuda", "pagedlm.backends.cuda.kernels.dense_gemv:unquantized_gemm")
-    # Quantized GEMMs (kernels/quant_gemm.py): Triton W4A16/W8A16, torch._scaled_mm FP8, torch._int_mm INT8.
-    for op in ("wna16_gemm", "fp8_scaled_mm", "int8_scaled_mm", "fp8_quantized_mm"):
+    # Quantized GEMMs (kernels/quant_gemm.py): W4A16 on tensor cores (CUDA C++ through NVRTC, its own weight
+    # layout from wna16_repack), Triton W4A16/W8A16, torch._scaled_mm FP8, torch._int_mm INT8.
+    for op in ("wna16_gemm", "wna16_repack", "fp8_scaled_mm", "int8_scaled_mm", "fp8_quantized_mm"):
         register(op, "cuda", f"pagedlm.backends.cuda.kernels.quant_gemm:{op}")
     # The FP8 linear layers' per-token quantization fused into the ops producing their inputs
     # (kernels/norm_quant.py): the same bytes as the unfused op followed by quant_act.quantize_rows.

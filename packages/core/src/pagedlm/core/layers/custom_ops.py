@@ -16,7 +16,7 @@ Op names: :data:`OP_CONTRACTS` holds the contracts core's layers call; a change 
 op (a quantized GEMM, LoRA shrink/expand; ``fused_experts`` came with API 1.1, its quantized
 variants with 1.3, ``unquantized_gemm`` with 1.6, the Gemma norms with 1.8,
 ``fp8_block_scaled_mm`` with 1.9, the producers fused with FP8 quantization and
-``fp8_quantized_mm`` with 1.10) adds its contract there and bumps the minor ``API_VERSION``.
+``fp8_quantized_mm`` with 1.10, ``wna16_repack`` with 1.11) adds its contract there and bumps the minor ``API_VERSION``.
 A plugin's own layers may call ops of their own under a dotted name (``"myplugin.fused_gate"``),
 whose contract that plugin documents; any other name is an error.
 """
@@ -116,6 +116,13 @@ OP_CONTRACTS: Mapping[str, str] = MappingProxyType({
         "[T, N] in x's dtype: x @ W with W[k, n] = (q[k, n] - z[g(k), n]) * s[g(k), n], q[k, n] the unsigned "
         "bits-wide field at bit bits * (k % (32 // bits)) of qweight[k // (32 // bits), n], z = 2 ** (bits - 1) "
         "when zeros is None, g(k) = g_idx[k] when given, else k // G. Accumulates in float32."
+    ),
+    "wna16_repack": (
+        "fn(qweight [K // (32 // bits), N] int32 in wna16_gemm's layout above, scales, zeros | None, g_idx | None, "
+        "bits, group_size) -> a tensor of the same shape and dtype that the platform's wna16_gemm reads in "
+        "place of qweight, with the same result (its own layout for its kernels; it may return qweight "
+        "itself). Run once per layer after loading; a platform that registers it reads only what it "
+        "returned (API 1.11)."
     ),
     "fp8_scaled_mm": (
         "fn(x [T, K] float16/bfloat16/float32, weight [N, K] float8_e4m3fn, weight_scale [N] float32, "

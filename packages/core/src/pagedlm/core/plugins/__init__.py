@@ -44,7 +44,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 #: break an existing plugin (a hook or a ``register`` argument removed or changed, an op
 #: contract changed); the minor number when something is only added (a hook, an optional
 #: ``register`` keyword, an op contract). A plugin checks the major number it was written for.
-API_VERSION = "1.10"
+API_VERSION = "1.11"
 
 __all__ = [
     "API_VERSION",

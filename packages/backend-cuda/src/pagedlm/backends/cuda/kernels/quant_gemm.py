@@ -1,13 +1,16 @@
 """Quantized GEMMs for platform ``cuda``: the ``wna16_gemm``, ``fp8_scaled_mm`` and
 ``int8_scaled_mm`` ops of :data:`pagedlm.core.layers.custom_ops.OP_CONTRACTS`.
 
-- ``wna16_gemm``: at most ``GEMV_MAX_ROWS`` rows (decode), the matrix-vector kernel of
-  :mod:`.wna16_gemv`; more rows, a Triton GEMM that reads the packed int4/int8 weights
-  (``[K // pack, N]`` int32, GPTQ's K-major layout every integer format is converted to) and
-  dequantizes each ``[BLOCK_K, BLOCK_N]`` tile in its inner loop (scales and zero points by group,
-  or through ``g_idx`` for act-order), accumulating in float32 on tensor cores; weights are read
-  from memory once, at 4 or 8 bits. Up to 16 rows it splits K across programs (reduced in the
-  same launch, :func:`.wna16_gemv.split_k_store`), so a small batch still spreads over the GPU.
+- ``wna16_gemm``: 4-bit weights of the shapes :func:`.w4a16_mma.mma_layout_supported` takes are
+  stored in the tensor-core GEMV's layout by ``wna16_repack`` (at loading), and up to
+  ``MMA_MAX_ROWS`` rows run that CUDA kernel (:mod:`.w4a16_mma`); the other weights, at most
+  ``GEMV_MAX_ROWS`` rows (decode), the matrix-vector kernel of :mod:`.wna16_gemv`. More rows: a
+  Triton GEMM that reads the packed int4/int8 weights (``[K // pack, N]`` int32, GPTQ's K-major
+  layout every integer format is converted to, or the mma layout) and dequantizes each
+  ``[BLOCK_K, BLOCK_N]`` tile in its inner loop (scales and zero points by group, or through
+  ``g_idx`` for act-order), accumulating in float32 on tensor cores; weights are read from memory
+  once, at 4 or 8 bits. Up to 16 rows it splits K across programs (reduced in the same launch,
+  :func:`.wna16_gemv.split_k_store`), so a small batch still spreads over the GPU.
 - ``fp8_scaled_mm``: per-token (or static) activation quantization in one kernel
   (:mod:`.quant_act`), then, where cuBLASLt's tiles would leave SMs idle (decode batches on
   narrow weights), the Triton GEMM of :mod:`.fp8_gemm` (tiles chosen per row count), else
@@ -27,9 +30,16 @@ import triton.language as tl
 from pagedlm.backends.cuda.kernels.fp8_gemm import fp8_rowwise_mm, num_sms, rowwise_tiles
 from pagedlm.backends.cuda.kernels.launch import launch
 from pagedlm.backends.cuda.kernels.quant_act import int8_dequant_epilogue, quantize_rows
+from pagedlm.backends.cuda.kernels.w4a16_mma import (
+    MMA_MAX_ROWS,
+    mma_layout_supported,
+    mma_repack,
+    prepare_mma_kernel,
+    w4a16_mma_gemv,
+)
 from pagedlm.backends.cuda.kernels.wna16_gemv import GEMV_MAX_ROWS, split_k_counters, split_k_store, wna16_gemv
 
-__all__ = ["fp8_quantized_mm", "fp8_scaled_mm", "int8_scaled_mm", "wna16_gemm"]
+__all__ = ["fp8_quantized_mm", "fp8_scaled_mm", "int8_scaled_mm", "wna16_gemm", "wna16_repack", "wna16_triton_gemm"]
 
 
 @triton.jit
@@ -38,10 +48,11 @@ def _wna16_kernel(
     M, N, K, stride_xm, stride_om, k_per_split,
     GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MMA_LAYOUT: tl.constexpr,
 ):
     """``out [M, N] = x [M, K] @ dequant(qweight)``; program ``(m, n, split)`` computes one output
-    tile over the K range ``[split * k_per_split, (split + 1) * k_per_split)``."""
+    tile over the K range ``[split * k_per_split, (split + 1) * k_per_split)``. ``MMA_LAYOUT``:
+    4-bit ``qweight`` in :mod:`.w4a16_mma`'s layout (``mma_word_and_shift``'s arithmetic)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -57,9 +68,17 @@ def _wna16_kernel(
         rk = k0 + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        words = tl.load(qw_ptr + (rk // PACK)[:, None] * N + rn[None, :], mask=k_ok[:, None] & n_ok[None, :],
-                        other=0)
-        q = (words >> ((rk % PACK) * BITS)[:, None]) & MASK
+        if MMA_LAYOUT:
+            # word = k part + n part, field offset likewise (w4a16_mma.mma_word_and_shift)
+            k_word = ((rk >> 6) * 32 + ((rk >> 4) & 3)) * 4 + ((rk >> 2) & 3)
+            n_word = ((rn >> 4) * (K // 64) * 32 + (rn & 7) * 4) * 4
+            shift = 4 * (4 * (rk & 1) + 2 * ((rk >> 1) & 1))[:, None] + (4 * ((rn >> 3) & 1))[None, :]
+            words = tl.load(qw_ptr + k_word[:, None] + n_word[None, :], mask=k_ok[:, None] & n_ok[None, :], other=0)
+            q = (words >> shift) & MASK
+        else:
+            words = tl.load(qw_ptr + (rk // PACK)[:, None] * N + rn[None, :], mask=k_ok[:, None] & n_ok[None, :],
+                            other=0)
+            q = (words >> ((rk % PACK) * BITS)[:, None]) & MASK
         if HAS_G_IDX:
             g = tl.load(g_ptr + rk, mask=k_ok, other=0)
         else:
@@ -90,16 +109,40 @@ def _wna16_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     return 64, 128, 32, 1
 
 
+def wna16_repack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 g_idx: torch.Tensor | None, bits: int, group_size: int) -> torch.Tensor:
+    """The ``wna16_repack`` op: the tensor-core GEMV's layout where it applies (its kernel built
+    now, before any graph capture), else ``qweight`` as it is."""
+    k, n = qweight.shape[0] * (32 // bits), qweight.shape[1]
+    if not mma_layout_supported(bits, group_size, g_idx is not None, k, n, scales.dtype, qweight.device):
+        return qweight
+    prepare_mma_kernel(qweight.device, n, k, scales.dtype, zeros is not None)
+    return mma_repack(qweight)
+
+
 def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                g_idx: torch.Tensor | None, bits: int, group_size: int) -> torch.Tensor:
-    """The ``wna16_gemm`` op (contract in core's ``custom_ops``): ``x [M, K] -> [M, N]``."""
+    """The ``wna16_gemm`` op (contract in core's ``custom_ops``): ``x [M, K] -> [M, N]``, reading
+    ``qweight`` as :func:`wna16_repack` returned it."""
     x = x.contiguous()
     m, k = x.shape
     n = qweight.shape[1]
     if qweight.shape[0] * (32 // bits) != k:
         raise ValueError(f"qweight {tuple(qweight.shape)} does not hold {k} rows of {bits}-bit values")
-    if 0 < m <= GEMV_MAX_ROWS:
+    mma = mma_layout_supported(bits, group_size, g_idx is not None, k, n, scales.dtype, qweight.device)
+    if mma and 0 < m <= MMA_MAX_ROWS and x.dtype == scales.dtype:
+        return w4a16_mma_gemv(x, qweight, scales, zeros, group_size)
+    if 0 < m <= GEMV_MAX_ROWS and not mma:
         return wna16_gemv(x, qweight, scales, zeros, g_idx, bits, group_size)
+    return wna16_triton_gemm(x, qweight, scales, zeros, g_idx, bits, group_size, mma_layout=mma)
+
+
+def wna16_triton_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                      g_idx: torch.Tensor | None, bits: int, group_size: int, *, mma_layout: bool) -> torch.Tensor:
+    """The Triton GEMM of ``wna16_gemm`` (any row count; ``x`` contiguous), reading 4-bit
+    ``qweight`` in :mod:`.w4a16_mma`'s layout when ``mma_layout``."""
+    m, k = x.shape
+    n = qweight.shape[1]
     block_m, block_n, block_k, split = _wna16_config(m, n, k)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
     counters = split_k_counters(x.device, grid[0] * grid[1]) if split > 1 else None
@@ -119,7 +162,7 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
            # float32 activations are the HF-parity configuration: no TF32 rounding of the dot
            # (with it, a tiny W4A16 Llama's logprobs were 3e-2 from HF's on an H200)
-           DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+           DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", MMA_LAYOUT=mma_layout)
     return out
 
 

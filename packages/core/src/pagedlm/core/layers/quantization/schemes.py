@@ -130,6 +130,8 @@ class WNA16LinearMethod(LinearMethodBase):
         self.symmetric = symmetric
         self.act_order = act_order
         self.op = custom_ops.bound_op(self.op_name) or wna16_gemm_ref
+        # a platform's own layout of qweight for its wna16_gemm (API 1.11)
+        self.repack = custom_ops.bound_op("wna16_repack")
 
     def _groups(self, layer: nn.Module, input_size_per_partition: int, input_size: int) -> tuple[int, bool]:
         """(scale rows of this rank, whether scales are split across ranks along the input)."""
@@ -161,12 +163,13 @@ class WNA16LinearMethod(LinearMethodBase):
             zeros = None
         # per channel: one group of all K_r rows; with g_idx the op reads groups from it instead
         layer.w_group_size = q.shape[0] if self.group_size == -1 else self.group_size
-        replace_params(layer, drop, {
-            "w_qweight": pack_rows(q, self.bits),
-            "w_scales": scales.to(layer.params_dtype),
-            "w_zeros": None if zeros is None else zeros.to(torch.int32),
-            "w_g_idx": None if g_idx is None else g_idx.to(torch.int32),
-        })
+        qweight = pack_rows(q, self.bits)
+        scales = scales.to(layer.params_dtype)
+        zeros = None if zeros is None else zeros.to(torch.int32)
+        g_idx = None if g_idx is None else g_idx.to(torch.int32)
+        if self.repack is not None:
+            qweight = self.repack(qweight, scales, zeros, g_idx, self.bits, layer.w_group_size)
+        replace_params(layer, drop, {"w_qweight": qweight, "w_scales": scales, "w_zeros": zeros, "w_g_idx": g_idx})
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape

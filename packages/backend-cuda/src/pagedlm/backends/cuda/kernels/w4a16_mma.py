@@ -1,0 +1,386 @@
+"""The W4A16 GEMV on tensor cores: up to 8 rows times int4 weights, one launch (CUDA C++, NVRTC).
+
+At batch 1 a 4-bit linear layer is bound by reading its packed weights, but a GEMV that unpacks
+each value into a float32 multiply-add spends ~4 instructions per value and runs out of issue
+slots before it runs out of bandwidth (docs/quantization.md). Here the dot products run on
+``mma.sync.m16n8k16`` (bf16/fp16 in, float32 accumulate) with the activation rows as the 8-wide
+operand (its columns past M are computed and dropped), and a weight value costs about 3
+instructions with the loop's bookkeeping (1.5 in the unpacking itself):
+
+- the weights are stored in the **mma layout** (:func:`mma_repack`): each lane of a warp loads
+  one 16-byte word group per 64 values of K and finds in it exactly its four A-fragment
+  registers of four mma steps. A fragment register is two values of one row in the 4-bit fields
+  ``p`` and ``p + 4`` of a word, so ``(word >> 4p) & 0x000F000F | MAGIC`` is the pair
+  ``(128 + q_lo, 128 + q_hi)`` as bf16 (``1024 + q`` as fp16) in one LOP3, and one packed
+  fused multiply-add subtracts ``128 + z`` exactly;
+- the order of K inside each 64-value block is permuted the same way in weights and activations
+  (the mma sums over it), so that a lane's activations are 16 consecutive values: two 16-byte
+  loads per block;
+- a group's scales (and zero points) are applied once per group and row, to a float32 partial
+  sum: ``group_size`` is a multiple of 64 (or per channel);
+- each warp streams a K slice of one 16-row tile through a ring of ``STAGES`` 512-byte blocks in
+  shared memory (``cp.async``), the slices sized so the grid is about one wave; with PDL the
+  first blocks are requested before ``griddepcontrol.wait`` (weights are constant), so they
+  load during the previous kernel's tail;
+- the warps of a block take consecutive K slices of one 16-row tile and are summed through
+  shared memory; blocks along K (``SPLIT``) through float32 partials and a per-tile counter (the
+  protocol of :func:`.wna16_gemv.split_k_store`: the last block sums the partials in split
+  order, deterministic, and resets the counter).
+
+Element ``(k, n)`` of the logical ``[K, N]`` weight, with ``n = 16 nt + 8 rh + g`` and
+``k = 64 kb + 16 t + 4 j + 2 ch + h``, is field ``4 h + 2 ch + rh`` of int32 word
+``((nt * K / 64 + kb) * 32 + 4 g + t) * 4 + j`` (see :func:`mma_word_and_shift`).
+
+NOTE: CUDA-graph safe as the Triton GEMVs are: the grid depends on the shapes only, the counters
+are created by an eager call, every launch leaves them zero, and the kernels are compiled and
+loaded when the weights are repacked (:func:`prepare_mma_kernel`), never inside a capture.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import cache
+
+import torch
+
+from pagedlm.backends.cuda.kernels.launch import pdl_options
+from pagedlm.backends.cuda.kernels.wna16_gemv import split_k_counters
+
+__all__ = ["MMA_MAX_ROWS", "mma_config", "mma_layout_supported", "mma_repack", "mma_unpack", "mma_word_and_shift",
+           "prepare_mma_kernel", "w4a16_mma_gemv"]
+
+logger = logging.getLogger(__name__)
+
+#: the kernel's rows: the mma's N dimension
+MMA_MAX_ROWS = 8
+
+_SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#if FP16
+#define MAGIC 0x64006400u
+#define MMA_TYPE "f16"
+#else
+#define MAGIC 0x43004300u
+#define MMA_TYPE "bf16"
+#endif
+
+// 16 bytes global -> shared, bypassing L1 and registers (the weights are read once)
+__device__ __forceinline__ void cp_async16(uint4* dst, const uint4* src) {
+    const u32 d = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src));
+}
+
+__device__ __forceinline__ uint4 ld_x(const u16* p) {
+    uint4 v;
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ float ld_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+// (word & 0x000F000F) | MAGIC: the pair (MAGIC + field 0, MAGIC + field 4), exact
+__device__ __forceinline__ u32 fields(u32 w) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(w), "r"(0x000F000Fu), "r"(MAGIC));
+    return d;
+}
+
+// a * 1 + neg_zero: the pair minus (MAGIC + z), exact (small integers)
+__device__ __forceinline__ u32 unbias(u32 a, u32 neg_zero) {
+    u32 d;
+#if FP16
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(0x3C003C00u), "r"(neg_zero));
+#else
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(0x3F803F80u), "r"(neg_zero));
+#endif
+    return d;
+}
+
+__device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float to_float(u16 v) {
+#if FP16
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+    return f;
+#else
+    return __uint_as_float(((u32)v) << 16);
+#endif
+}
+
+__device__ __forceinline__ u16 from_float(float v) {
+    u16 r;
+#if FP16
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
+#else
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+#endif
+    return r;
+}
+
+// the negated bias operand of a zero point z: -(MAGIC + z) in both halves
+__device__ __forceinline__ u32 neg_zero(int z) {
+    return (MAGIC | (u32)z | ((u32)z << 16)) ^ 0x80008000u;
+}
+
+// Block (tile nt, split s): rows [16 nt, 16 nt + 16) of the output; warp w takes the K blocks of 64
+// [kb0, kb0 + kb_per_warp) with kb0 = (s * WARPS + w) * kb_per_warp (clipped to K), streamed
+// through a ring of STAGES blocks of 512 bytes in shared memory (one commit group each, so the
+// wait for the oldest is a constant count).
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
+w4a16_mma_gemv(const uint4* __restrict__ qw, const u16* __restrict__ scales, const int* __restrict__ zeros,
+               const u16* __restrict__ x, u16* __restrict__ out, float* __restrict__ part,
+               int* __restrict__ counters, int M, int N, int K, int stride_xm, int stride_om, int group_size,
+               int kb_per_warp) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int nt = blockIdx.x, split = blockIdx.y;
+    const int kbt = K >> 6;
+    const int kb0 = (split * WARPS + warp) * kb_per_warp;
+    const int kb_end = min(kb0 + kb_per_warp, kbt);
+    const int n_lo = nt * 16 + g;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    __shared__ uint4 ring[WARPS][STAGES][32];
+    if (kb0 < kb_end) {
+        const uint4* wp = qw + ((size_t)nt * kbt + kb0) * 32 + lane;
+        const int count = kb_end - kb0;
+#pragma unroll
+        for (int i = 0; i < STAGES; ++i) {
+            if (i < count) cp_async16(&ring[warp][i][lane], wp + i * 32);
+            asm volatile("cp.async.commit_group;" ::: "memory");
+        }
+#if PDL
+        // everything above read weights only; the activations may come from the kernel before
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+        // NOTE: lanes past the M rows read row M - 1: their mma columns are never stored
+        const u16* xp = x + (size_t)min(g, M - 1) * stride_xm + (size_t)kb0 * 64 + t * 16;
+        const uint4* wnext = wp + STAGES * 32;
+        // two accumulator sets (even and odd mma steps): shorter dependency chains
+        float even[4] = {0.f, 0.f, 0.f, 0.f}, odd[4] = {0.f, 0.f, 0.f, 0.f};
+        const int group_kb = group_size >> 6;
+        int grp = kb0 / group_kb;
+        int group_left = min((grp + 1) * group_kb, kb_end) - kb0;  // blocks until the group's end
+        u32 z_lo = neg_zero(8), z_hi = neg_zero(8);
+#if HAS_ZEROS
+        z_lo = neg_zero(zeros[(size_t)grp * N + n_lo]);
+        z_hi = neg_zero(zeros[(size_t)grp * N + n_lo + 8]);
+#endif
+        for (int i0 = 0; i0 < count; i0 += STAGES) {
+#pragma unroll
+            for (int slot = 0; slot < STAGES; ++slot) {
+                const int i = i0 + slot;
+                if (i >= count) break;
+                asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1) : "memory");
+                // NOTE: a lane reads back only what it copied, so its own wait suffices, and its
+                // next copy into this slot is ordered after this read
+                const uint4 wi = ring[warp][slot][lane];
+                if (i + STAGES < count) cp_async16(&ring[warp][slot][lane], wnext);
+                asm volatile("cp.async.commit_group;" ::: "memory");
+                wnext += 32;
+                // the activations: 2 KiB a row, L1-resident after the first warps of the SM
+                const uint4 xa = ld_x(xp), xb = ld_x(xp + 8);
+                xp += 64;
+                const u32 b[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+                const u32 q[4] = {wi.x, wi.y, wi.z, wi.w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    mma(j & 1 ? odd : even, unbias(fields(q[j]), z_lo), unbias(fields(q[j] >> 4), z_hi),
+                        unbias(fields(q[j] >> 8), z_lo), unbias(fields(q[j] >> 12), z_hi), b[2 * j], b[2 * j + 1]);
+                }
+                if (--group_left == 0) {  // the group's (or the slice's) last block
+                    const float s_lo = to_float(scales[(size_t)grp * N + n_lo]);
+                    const float s_hi = to_float(scales[(size_t)grp * N + n_lo + 8]);
+                    acc[0] += s_lo * (even[0] + odd[0]);
+                    acc[1] += s_lo * (even[1] + odd[1]);
+                    acc[2] += s_hi * (even[2] + odd[2]);
+                    acc[3] += s_hi * (even[3] + odd[3]);
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) even[c] = odd[c] = 0.f;
+                    ++grp;
+                    group_left = min(group_kb, count - i - 1);
+#if HAS_ZEROS
+                    if (group_left > 0) {
+                        z_lo = neg_zero(zeros[(size_t)grp * N + n_lo]);
+                        z_hi = neg_zero(zeros[(size_t)grp * N + n_lo + 8]);
+                    }
+#endif
+                }
+            }
+        }
+    }
+#if PDL
+    // (a warp without K blocks: before any output store or counter, as the others)
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    // C fragment: acc[c] is output row g + 8 (c >> 1), activation row 2 t + (c & 1)
+    __shared__ float red[WARPS][4][32];
+    __shared__ int last;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) red[warp][c][lane] = acc[c];
+    __syncthreads();
+    const int n0 = nt * 16;
+    for (int e = threadIdx.x; e < 16 * M; e += WARPS * 32) {
+        const int r = e & 15, m = e >> 4;
+        const int src = (r & 7) * 4 + (m >> 1), c = (r >> 3) * 2 + (m & 1);
+        float v = 0.f;
+#pragma unroll
+        for (int ww = 0; ww < WARPS; ++ww) v += red[ww][c][src];
+        if (gridDim.y == 1) out[(size_t)m * stride_om + n0 + r] = from_float(v);
+        else part[((size_t)split * M + m) * N + n0 + r] = v;
+    }
+    if (gridDim.y == 1 || counters == nullptr) return;  // no counters: the caller sums the partials
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counters + nt, 1) == (int)gridDim.y - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int e = threadIdx.x; e < 16 * M; e += WARPS * 32) {
+        const int r = e & 15, m = e >> 4;
+        float v = 0.f;
+        for (int s = 0; s < (int)gridDim.y; ++s) v += ld_cg(part + ((size_t)s * M + m) * N + n0 + r);
+        out[(size_t)m * stride_om + n0 + r] = from_float(v);
+    }
+    if (threadIdx.x == 0) atomicExch(counters + nt, 0);
+}
+"""
+
+
+def mma_layout_supported(bits: int, group_size: int, has_g_idx: bool, k: int, n: int, dtype: torch.dtype,
+                         device: torch.device) -> bool:
+    """Whether a ``wna16_gemm`` weight of these properties is stored in the mma layout (and read
+    by this kernel). NOTE: a function of its arguments and of the process alone, so the repack at
+    load time and every later call agree."""
+    return (bits == 4 and not has_g_idx and k % 64 == 0 and n % 16 == 0 and group_size % 64 == 0
+            and dtype in (torch.bfloat16, torch.float16) and device.type == "cuda" and _mma_available(device))
+
+
+@cache
+def _mma_available(device: torch.device) -> bool:
+    # PAGEDLM_CUDA_W4A16_MMA=0: the Triton kernels and GPTQ's layout instead (A/B measurements)
+    if os.environ.get("PAGEDLM_CUDA_W4A16_MMA", "1") == "0" or torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    try:
+        _kernel(device, False, False, 4, 4)
+    except Exception as e:  # noqa: BLE001 - no NVRTC, or it cannot compile: the Triton kernels stay
+        logger.warning("W4A16 tensor-core GEMV unavailable (%s); using the Triton GEMV", e)
+        return False
+    return True
+
+
+#: resident warps per SM a kernel is compiled for (64 registers a thread allow 32 of 64)
+WARPS_PER_SM = 32
+
+
+@cache
+def _kernel(device: torch.device, fp16: bool, has_zeros: bool, warps: int, stages: int):
+    from pagedlm.backends.cuda.nvrtc import Kernel, compile_cubin
+
+    major, minor = torch.cuda.get_device_capability(device)
+    defines = {"FP16": fp16, "HAS_ZEROS": has_zeros, "WARPS": warps, "STAGES": stages,
+               "MIN_BLOCKS": max(1, WARPS_PER_SM // warps), "PDL": pdl_options(device)["USE_PDL"]}
+    kernel = Kernel(compile_cubin(_SOURCE, "w4a16_mma_gemv", major * 10 + minor, defines), "w4a16_mma_gemv", device)
+    kernel.prefer_shared_memory()
+    return kernel
+
+
+def prepare_mma_kernel(device: torch.device, n: int, k: int, dtype: torch.dtype, has_zeros: bool) -> None:
+    """Build the kernel variant an ``[*, k] x [k, n]`` product will launch (NVRTC and the module
+    load must not run inside a CUDA-graph capture)."""
+    _, warps, _, stages = mma_config(n, k, _num_sms(device))
+    _kernel(device, dtype == torch.float16, has_zeros, warps, stages)
+
+
+def mma_word_and_shift(k: torch.Tensor, n: torch.Tensor, k_total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For logical weight elements ``(k, n)`` (broadcast int tensors): the index of the int32 word
+    of the mma layout holding each, and the bit offset of its 4-bit field."""
+    nt, rh, g = n >> 4, (n >> 3) & 1, n & 7
+    kb, t, j, ch, h = k >> 6, (k >> 4) & 3, (k >> 2) & 3, (k >> 1) & 1, k & 1
+    word = ((nt * (k_total // 64) + kb) * 32 + g * 4 + t) * 4 + j
+    return word, 4 * (4 * h + 2 * ch + rh)
+
+
+def mma_repack(qweight: torch.Tensor) -> torch.Tensor:
+    """``qweight [K // 8, N]`` int32 of the reference (GPTQ, K-major) layout -> the same values in
+    the mma layout (same shape and dtype). Pure torch (runs on any device)."""
+    kw, n = qweight.shape
+    k = kw * 8
+    shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32)
+    q = ((qweight.unsqueeze(1) >> shifts.view(1, 8, 1)) & 15).reshape(k, n)  # [K, N]
+    # k = (kb, t, j, ch, h), n = (nt, rh, g) -> words (nt, kb, g, t, j), fields (h, ch, rh)
+    q = q.view(k // 64, 4, 4, 2, 2, n // 16, 2, 8).permute(5, 0, 7, 1, 2, 4, 3, 6).reshape(-1, 8)
+    words = (q << shifts).sum(dim=1, dtype=torch.int64)
+    return (words - ((words >> 31) << 32)).to(torch.int32).view(kw, n)  # wrap to int32's range
+
+
+def mma_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The logical ``[K, N]`` 4-bit values (int32) of an mma-layout ``[K // 8, N]`` tensor."""
+    kw, n = packed.shape
+    k = kw * 8
+    word, shift = mma_word_and_shift(torch.arange(k, device=packed.device)[:, None],
+                                     torch.arange(n, device=packed.device)[None, :], k)
+    return (packed.reshape(-1)[word] >> shift) & 15
+
+
+def mma_config(n: int, k: int, num_sms: int, *, warps: int | None = None, stages: int = 4,
+               warps_per_sm: int | None = None) -> tuple[int, int, int, int]:
+    """``(kb_per_warp, WARPS, SPLIT, STAGES)``: K is cut into as many slices (one a warp) as keep
+    the grid near ``warps_per_sm`` warps per SM (one wave, each warp streaming its slice through
+    ``stages`` in-flight blocks), ``warps`` slices to a block, ``SPLIT`` blocks along K.
+
+    Defaults (``bench_quant.py --sweep-mma``, Llama-3.1-8B at one row, H100, 2026-12-07): 4 stages;
+    at most 512 row tiles (q/k/v, o, down) 8 warps a block sized for 16 warps per SM, more tiles
+    (gate/up) 4 warps sized for 32: 60.0 us a layer against 66.7 for the best single setting and
+    68.5 for the Triton GEMV."""
+    tiles, kbt = n // 16, k // 64
+    few_tiles = tiles <= 512
+    warps = warps or (8 if few_tiles else 4)
+    warps_per_sm = warps_per_sm or (16 if few_tiles else 32)
+    slices = max(1, min(kbt, num_sms * warps_per_sm // tiles))
+    kb = -(-kbt // slices)
+    slices = -(-kbt // kb)
+    warps = min(warps, slices)
+    return kb, warps, -(-slices // warps), stages
+
+
+def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                   group_size: int, **tuning: int) -> torch.Tensor:
+    """``x [M <= 8, K]`` (bf16/fp16) times the mma-layout int4 ``qweight`` (``[K // 8, N]``) with
+    ``scales [K // G, N]`` (x's dtype) and ``zeros [K // G, N]`` int32 or None (symmetric: 8):
+    ``[M, N]`` in x's dtype. ``tuning``: :func:`mma_config`'s keywords."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.clone()  # 16-byte activation loads
+    kb, warps, split, stages = mma_config(n, k, _num_sms(x.device), **tuning)
+    tiles = n // 16
+    counters = split_k_counters(x.device, tiles) if split > 1 else None
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else None
+    kernel = _kernel(x.device, x.dtype == torch.float16, zeros is not None, warps, stages)
+    kernel((tiles, split, 1), warps * 32, qweight, scales, zeros, x, out, part, counters,
+           m, n, k, x.stride(0), out.stride(0), group_size, kb, pdl=pdl_options(x.device)["USE_PDL"])
+    if split > 1 and counters is None:
+        return part.sum(dim=0).to(x.dtype)  # (a first call inside a graph capture: no counters yet)
+    return out
+
+
+
+@cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
