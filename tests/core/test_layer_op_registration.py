@@ -168,3 +168,38 @@ def test_linear_layers_bind_unquantized_gemm():
     calls.clear()
     assert torch.equal(plain(x), F.linear(x, plain.weight, plain.bias)) and not calls
     assert plain.quant_method.op is None
+
+
+def test_wna16_layers_keep_the_platforms_repacked_weights():
+    """A W4A16 layer built with a ``wna16_repack`` op stores what it returns after loading and
+    hands exactly that to ``wna16_gemm`` (API 1.11); built without one, the reference layout."""
+    from pagedlm.core.layers import ReplicatedLinear
+    from pagedlm.core.layers.quantization.gptq import GPTQConfig
+    from pagedlm.core.layers.quantization.utils import pack_rows, wna16_gemm_ref
+
+    config = GPTQConfig.from_config({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
+                                     "sym": True})
+    seen = []
+
+    def fake_repack(qweight, scales, zeros, g_idx, bits, group_size):
+        assert (zeros, g_idx, bits, group_size) == (None, None, 4, 32)
+        return qweight.flip(0)  # a "layout": the op below undoes it
+
+    def fake_gemm(x, qweight, scales, zeros, g_idx, bits, group_size):
+        seen.append(qweight)
+        return wna16_gemm_ref(x, qweight.flip(0), scales, zeros, g_idx, bits, group_size)
+
+    with custom_ops.use_ops({"wna16_repack": fake_repack, "wna16_gemm": fake_gemm}):
+        layer = ReplicatedLinear(64, 16, bias=False, quant_config=config)
+    plain = ReplicatedLinear(64, 16, bias=False, quant_config=config)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (64, 16), generator=gen, dtype=torch.int32)
+    for lin in (layer, plain):
+        lin.qweight.data.copy_(pack_rows(q, 4))
+        lin.scales.data.copy_(torch.rand(2, 16, generator=gen) * 0.1)
+        lin.quant_method.process_weights_after_loading(lin)
+    assert torch.equal(layer.w_qweight, plain.w_qweight.flip(0))
+    assert torch.equal(plain.w_qweight, pack_rows(q, 4))
+    x = torch.randn(3, 64, generator=gen)
+    assert torch.allclose(layer(x), wna16_gemm_ref(x, plain.w_qweight, layer.w_scales, None, None, 4, 32))
+    assert len(seen) == 1 and seen[0] is layer.w_qweight

@@ -16,7 +16,8 @@ Op names: :data:`OP_CONTRACTS` holds the contracts core's layers call; a change 
 op (a quantized GEMM, LoRA shrink/expand; ``fused_experts`` came with API 1.1, its quantized
 variants with 1.3, ``unquantized_gemm`` with 1.6, the Gemma norms with 1.8,
 ``fp8_block_scaled_mm`` with 1.9, the producers fused with FP8 quantization and
-``fp8_quantized_mm`` with 1.10, ``wna16_repack`` with 1.11) adds its contract there and bumps the minor ``API_VERSION``.
+``fp8_quantized_mm`` with 1.10, ``wna16_repack`` with 1.11) adds its contract there and bumps
+the minor ``API_VERSION``.
 A plugin's own layers may call ops of their own under a dotted name (``"myplugin.fused_gate"``),
 whose contract that plugin documents; any other name is an error.
 """
