@@ -113,6 +113,10 @@ class _Workers:
         self.failure: str | None = None
         self.stopping = False
         self.lock = threading.Lock()
+        # NOTE: a forkserver child's exit status is read from the server once, by whichever
+        # poll (is_alive, join) comes first after it dies; a second thread polling at the same
+        # moment reads EOF and records exit code 255. So every poll holds this lock.
+        self.poll_lock = threading.Lock()
         self.wake_r, self.wake_w = multiprocessing.Pipe(duplex=False)
 
     def record_failure(self, message: str) -> str:
@@ -122,43 +126,49 @@ class _Workers:
                 logger.error("%s", message)
             return self.failure
 
+    def alive(self, proc: Any) -> bool:
+        with self.poll_lock:
+            return proc.is_alive()
+
+    def join_all(self, procs: list[Any], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            with self.poll_lock:
+                p.join(max(0.0, deadline - time.monotonic()))
+
     def death_message(self, rank: int) -> str:
         proc = self.procs[rank]
-        proc.join(1.0)  # its sentinel fires before it is reaped; the exit status names the cause
+        with self.poll_lock:
+            proc.join(1.0)  # its sentinel fires before it is reaped; the exit status names the cause
+            code = proc.exitcode
         return (f"pagedlm worker rank {rank} (pid {proc.pid}) died unexpectedly "
-                f"({describe_exit(proc.exitcode)}); the engine cannot continue")
+                f"({describe_exit(code)}); the engine cannot continue")
 
     def stop(self, graceful: bool = True) -> None:
         """Stop every worker; idempotent, safe from any thread, at GC and at exit."""
         with self.lock:
-            if self.stopping and not any(p.is_alive() for p in self.procs):
+            if self.stopping and not any(self.alive(p) for p in self.procs):
                 return
             self.stopping = True
         with contextlib.suppress(OSError):
             self.wake_w.send(None)
-        alive = [p for p in self.procs if p.is_alive()]
+        alive = [p for p in self.procs if self.alive(p)]
         if graceful and alive and self.broadcast is not None and len(alive) == len(self.procs):
             # A worker that died meanwhile makes enqueue raise: then the signals below do it.
             with contextlib.suppress(RuntimeError):
                 self.broadcast.enqueue((_SHUTDOWN, (), {}, ()), check=self._raise_if_dead)
-                _join_all(alive, 5.0)
+                self.join_all(alive, 5.0)
         for sig in ("terminate", "kill"):
-            alive = [p for p in self.procs if p.is_alive()]
+            alive = [p for p in self.procs if self.alive(p)]
             if not alive:
                 break
             for p in alive:
                 getattr(p, sig)()
-            _join_all(alive, 3.0)
+            self.join_all(alive, 3.0)
 
     def _raise_if_dead(self) -> None:
-        if any(not p.is_alive() for p in self.procs):
+        if any(not self.alive(p) for p in self.procs):
             raise RuntimeError("a worker is dead")
-
-
-def _join_all(procs: list[Any], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
 
 
 def _monitor(workers: _Workers) -> None:
@@ -265,7 +275,7 @@ class MultiprocExecutor(Executor):
         if workers.stopping:
             raise RuntimeError("the executor is shut down")
         for rank, proc in enumerate(workers.procs):
-            if not proc.is_alive():
+            if not workers.alive(proc):
                 self._fail(workers.death_message(rank))
 
     def _send(self, method: str | WorkerCall, args: tuple = (), kwargs: dict | None = None,
@@ -309,7 +319,7 @@ class MultiprocExecutor(Executor):
                 except (EOFError, OSError):
                     self._fail(workers.death_message(rank))
                 if status == "error":
-                    dead = [r for r, p in enumerate(workers.procs) if r != rank and not p.is_alive()]
+                    dead = [r for r, p in enumerate(workers.procs) if r != rank and not workers.alive(p)]
                     if dead:  # a peer died first: this rank's error (a broken collective) follows from it
                         self._fail(workers.death_message(dead[0]))
                     summary = str(value).strip().splitlines()[-1]
