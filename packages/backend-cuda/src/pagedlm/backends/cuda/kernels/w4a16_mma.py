@@ -315,14 +315,19 @@ def mma_word_and_shift(k: torch.Tensor, n: torch.Tensor, k_total: int) -> tuple[
 
 def mma_repack(qweight: torch.Tensor) -> torch.Tensor:
     """``qweight [K // 8, N]`` int32 of the reference (GPTQ, K-major) layout -> the same values in
-    the mma layout (same shape and dtype). Pure torch (runs on any device)."""
+    the mma layout (same shape and dtype). Pure torch (runs on any device); the fields go through
+    one byte each, so the temporaries are about 4 bytes per weight (gate/up of an 8B model: ~0.5 GB),
+    not the 32 an int64 unpack would take."""
     kw, n = qweight.shape
     k = kw * 8
-    shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32)
-    q = ((qweight.unsqueeze(1) >> shifts.view(1, 8, 1)) & 15).reshape(k, n)  # [K, N]
+    q = torch.empty(kw, 8, n, dtype=torch.uint8, device=qweight.device)
+    for f in range(8):
+        q[:, f] = ((qweight >> (4 * f)) & 15).to(torch.uint8)  # [K, N] once viewed: k = 8 kw + f
     # k = (kb, t, j, ch, h), n = (nt, rh, g) -> words (nt, kb, g, t, j), fields (h, ch, rh)
     q = q.view(k // 64, 4, 4, 2, 2, n // 16, 2, 8).permute(5, 0, 7, 1, 2, 4, 3, 6).reshape(-1, 8)
-    words = (q << shifts).sum(dim=1, dtype=torch.int64)
+    words = torch.zeros(q.shape[0], dtype=torch.int64, device=qweight.device)
+    for f in range(8):
+        words |= q[:, f].to(torch.int64) << (4 * f)
     return (words - ((words >> 31) << 32)).to(torch.int32).view(kw, n)  # wrap to int32's range
 
 
