@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Kernel", "compile_cubin", "nvrtc_library"]
+__all__ = ["Kernel", "NvrtcUnavailable", "compile_cubin", "nvrtc_library"]
 
 
 class NvrtcUnavailable(RuntimeError):

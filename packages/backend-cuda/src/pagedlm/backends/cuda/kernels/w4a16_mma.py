@@ -44,6 +44,7 @@ from functools import cache
 
 import torch
 
+from pagedlm.backends.cuda.kernels.fp8_gemm import num_sms
 from pagedlm.backends.cuda.kernels.launch import pdl_options
 from pagedlm.backends.cuda.kernels.wna16_gemv import split_k_counters
 
@@ -300,7 +301,7 @@ def _kernel(device: torch.device, fp16: bool, has_zeros: bool, warps: int, stage
 def prepare_mma_kernel(device: torch.device, n: int, k: int, dtype: torch.dtype, has_zeros: bool) -> None:
     """Build the kernel variant an ``[*, k] x [k, n]`` product will launch (NVRTC and the module
     load must not run inside a CUDA-graph capture)."""
-    _, warps, _, stages = mma_config(n, k, _num_sms(device))
+    _, warps, _, stages = mma_config(n, k, num_sms(device))
     _kernel(device, dtype == torch.float16, has_zeros, warps, stages)
 
 
@@ -340,7 +341,7 @@ def mma_unpack(packed: torch.Tensor) -> torch.Tensor:
     return (packed.reshape(-1)[word] >> shift) & 15
 
 
-def mma_config(n: int, k: int, num_sms: int, *, warps: int | None = None, stages: int = 4,
+def mma_config(n: int, k: int, sms: int, *, warps: int | None = None, stages: int = 4,
                warps_per_sm: int | None = None) -> tuple[int, int, int, int]:
     """``(kb_per_warp, WARPS, SPLIT, STAGES)``: K is cut into as many slices (one a warp) as keep
     the grid near ``warps_per_sm`` warps per SM (one wave, each warp streaming its slice through
@@ -354,7 +355,7 @@ def mma_config(n: int, k: int, num_sms: int, *, warps: int | None = None, stages
     few_tiles = tiles <= 512
     warps = warps or (8 if few_tiles else 4)
     warps_per_sm = warps_per_sm or (16 if few_tiles else 32)
-    slices = max(1, min(kbt, num_sms * warps_per_sm // tiles))
+    slices = max(1, min(kbt, sms * warps_per_sm // tiles))
     kb = -(-kbt // slices)
     slices = -(-kbt // kb)
     warps = min(warps, slices)
@@ -369,8 +370,8 @@ def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     m, k = x.shape
     n = qweight.shape[1]
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        x = x.clone()  # 16-byte activation loads
-    kb, warps, split, stages = mma_config(n, k, _num_sms(x.device), **tuning)
+        x = x.clone(memory_format=torch.contiguous_format)  # 16-byte activation loads
+    kb, warps, split, stages = mma_config(n, k, num_sms(x.device), **tuning)
     tiles = n // 16
     counters = split_k_counters(x.device, tiles) if split > 1 else None
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -383,9 +384,3 @@ def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if split > 1 and counters is None:
         return part.sum(dim=0).to(x.dtype)  # (a first call inside a graph capture: no counters yet)
     return out
-
-
-
-@cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
