@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -354,11 +355,14 @@ def _tp_worker(rank: int, world_size: int, model_dir: str, rendezvous: str, out:
         layer = layers["model.layers.0.self_attn.attn"]
         if rank == 0:
             torch.save({"logits": logits, "heads": (layer.num_heads, layer.num_kv_heads)}, out)
-        # every rank is out of its last collective before any tears gloo down (once, under load,
-        # rank 0 aborted in std::terminate without it)
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # NOTE: no gloo teardown once every rank is past the barrier: under CI load rank 0 aborted in
+    # std::terminate while tearing it down, before the barrier existed and once after (2026-12-07);
+    # the test's result is already saved, so the process leaves without running it
+    os._exit(0)
 
 
 @pytest.mark.parametrize(("variant", "world_size"), [("llama-llama3-tied-bias", 2), ("qwen3", 4)])
