@@ -51,7 +51,8 @@ def _cubin(defines):
     except nvrtc.NvrtcUnavailable:
         pytest.skip("libnvrtc is not installed here (nvidia-cuda-nvrtc; CI's tests-cpu installs it)")
     return nvrtc.compile_cubin(w4a16_mma._SOURCE, "w4a16_mma_gemv", 90,
-                               {"FP16": 0, "HAS_ZEROS": 0, "WARPS": 4, "STAGES": 8, "MIN_BLOCKS": 8, **defines})
+                               {"FP16": 0, "HAS_ZEROS": 0, "WARPS": 4, "STAGES": 8, "MIN_BLOCKS": 8, "GROUP_KB": 2,
+                                **defines})
 
 
 def _sass(cubin: bytes, tmp_path: Path) -> list[str]:
@@ -74,25 +75,32 @@ def _sass(cubin: bytes, tmp_path: Path) -> list[str]:
     return ops
 
 
-@pytest.mark.parametrize("defines", [{}, {"FP16": 1, "HAS_ZEROS": 1}, {"WARPS": 1, "STAGES": 1, "MIN_BLOCKS": 32},
-                                     {"WARPS": 8, "STAGES": 4, "MIN_BLOCKS": 4, "PDL": 1}])
+@pytest.mark.parametrize("defines", [{}, {"FP16": 1, "HAS_ZEROS": 1},
+                                     {"WARPS": 1, "STAGES": 1, "MIN_BLOCKS": 32, "GROUP_KB": 0},
+                                     {"WARPS": 8, "STAGES": 4, "MIN_BLOCKS": 4, "PDL": 1},
+                                     {"HAS_ZEROS": 1, "GROUP_KB": 0}, {"GROUP_KB": 1}, {"GROUP_KB": 8, "HAS_ZEROS": 1}])
 def test_every_variant_compiles(defines):
     assert _cubin(defines)[:4] == b"\x7fELF"
 
 
 def test_a_block_of_64_values_a_lane_is_one_loop_step(tmp_path):
-    """sm_90 SASS of the default variant (4 warps, 4 blocks in flight): the loop over K blocks is
-    unrolled by the ring's 4 slots, each step waiting for its slot, re-filling it (one async copy)
-    and running 4 mma on the lane's 32 values, with one LOP3 and one packed FMA per pair of
-    values and a shift per pair but one: about 3 instructions a value with the group's scales,
-    the FMA GEMV's ~4.2 (sweeps: docs/quantization.md)."""
+    """sm_90 SASS of the default variant (4 warps, 4 blocks in flight, group 128): the loop over K
+    blocks is unrolled by the ring's 4 slots, each step waiting for its slot, re-filling it (one
+    async copy) and running 8 mma on the lane's 32 values: 4 on the pairs ``128 + q`` that one
+    LOP3 each makes (and a shift per pair but one), 4 taking ``128 + z`` off with the activations;
+    no packed FMA. The group's end (its scales applied, those of the group two ahead requested) is
+    in every second step, neither a branch nor predicated: about 2.2 instructions a value, the
+    FMA GEMV's ~4.2 (docs/quantization.md)."""
     ops = _sass(_cubin({"STAGES": 4}), tmp_path)
     waits = [i for i, op in enumerate(ops) if op.startswith("DEPBAR")]
     assert len(waits) == 4
-    step = ops[waits[1]:waits[2]]
-    assert sum(op.startswith("HMMA") for op in step) == 4
-    assert sum(op.startswith("LDGSTS") for op in step) == 1
-    assert sum(op.startswith("HFMA2") for op in step) == 16
-    assert sum(op.startswith("LOP3") for op in step) <= 16 + 2
-    assert sum(op.startswith("SHF") for op in step) <= 12 + 2
-    assert len(step) < 3.5 * 32
+    group_end = ops[waits[1]:waits[2]]
+    assert sum(op.startswith("HMMA") for op in group_end) == 8
+    assert sum(op.startswith("LDGSTS") for op in group_end) == 1
+    assert not any(op.startswith("HFMA2") for op in group_end)
+    assert sum(op.startswith("LOP3") for op in group_end) <= 16 + 2
+    assert sum(op.startswith("SHF") for op in group_end) <= 12 + 2
+    assert sum(op.startswith("FFMA") for op in group_end) == 4  # the scales
+    assert sum(op.startswith("BRA") for op in group_end) <= 1  # the slice's end
+    assert len(group_end) < 2.5 * 32
+    assert not any(op.startswith(("LDL", "STL")) for op in ops)  # no register spills

@@ -47,10 +47,11 @@ def test_mma_gemv_in_float16(zeros, device):
 
 
 @pytest.mark.parametrize("tuning", [dict(warps=1, stages=2), dict(warps=2, warps_per_sm=2), dict(stages=1),
-                                    dict(warps=8, warps_per_sm=256)])
+                                    dict(warps=8, warps_per_sm=256), dict(stages=8)])
 def test_mma_gemv_configs(tuning, device):
-    """Blocks of one warp, long slices (a split of one), one block in flight, one K block a warp
-    (and slices past K): the same results."""
+    """Blocks of one warp, long slices (a split of one), one block in flight (group ends counted at
+    run time), one K block a warp (and slices past K), 8 blocks in flight (a ring of 4 groups'
+    scales): the same results."""
     _check(2, 4096, 14336, 128, True, torch.bfloat16, **tuning)
 
 

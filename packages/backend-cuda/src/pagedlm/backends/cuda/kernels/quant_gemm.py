@@ -116,7 +116,7 @@ def wna16_repack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     k, n = qweight.shape[0] * (32 // bits), qweight.shape[1]
     if not mma_layout_supported(bits, group_size, g_idx is not None, k, n, scales.dtype, qweight.device):
         return qweight
-    prepare_mma_kernel(qweight.device, n, k, scales.dtype, zeros is not None)
+    prepare_mma_kernel(qweight.device, n, k, group_size, scales.dtype, zeros is not None)
     return mma_repack(qweight)
 
 

@@ -4,24 +4,29 @@ At batch 1 a 4-bit linear layer is bound by reading its packed weights, but a GE
 each value into a float32 multiply-add spends ~4 instructions per value and runs out of issue
 slots before it runs out of bandwidth (docs/quantization.md). Here the dot products run on
 ``mma.sync.m16n8k16`` (bf16/fp16 in, float32 accumulate) with the activation rows as the 8-wide
-operand (its columns past M are computed and dropped), and a weight value costs about 3
-instructions with the loop's bookkeeping (1.5 in the unpacking itself):
+operand (its columns past M are computed and dropped), and a weight value costs about 2.2
+instructions with the loop's bookkeeping (under 1 in the unpacking itself):
 
 - the weights are stored in the **mma layout** (:func:`mma_repack`): each lane of a warp loads
   one 16-byte word group per 64 values of K and finds in it exactly its four A-fragment
   registers of four mma steps. A fragment register is two values of one row in the 4-bit fields
   ``p`` and ``p + 4`` of a word, so ``(word >> 4p) & 0x000F000F | MAGIC`` is the pair
-  ``(128 + q_lo, 128 + q_hi)`` as bf16 (``1024 + q`` as fp16) in one LOP3, and one packed
-  fused multiply-add subtracts ``128 + z`` exactly;
+  ``(128 + q_lo, 128 + q_hi)`` as bf16 (``1024 + q`` as fp16) in one LOP3. In bf16 the pairs
+  go into the mma as they are and a second mma of the pairs ``-(128 + z)`` with the same
+  activations takes bias and zero point off in the float32 sum; in fp16 one packed fused
+  multiply-add subtracts ``1024 + z`` exactly (that bias would cost the float32 sums 10 bits);
 - the order of K inside each 64-value block is permuted the same way in weights and activations
   (the mma sums over it), so that a lane's activations are 16 consecutive values: two 16-byte
   loads per block;
 - a group's scales (and zero points) are applied once per group and row, to a float32 partial
-  sum: ``group_size`` is a multiple of 64 (or per channel);
+  sum: ``group_size`` is a multiple of 64 (or per channel). They are read into a ring of
+  registers ahead of use, and where ``STAGES`` is a multiple of the group's blocks
+  (``GROUP_KB``) the group ends are fixed slots of the unrolled loop;
 - each warp streams a K slice of one 16-row tile through a ring of ``STAGES`` 512-byte blocks in
   shared memory (``cp.async``), the slices sized so the grid is about one wave; with PDL the
   first blocks are requested before ``griddepcontrol.wait`` (weights are constant), so they
-  load during the previous kernel's tail;
+  load during the previous kernel's tail, and ``griddepcontrol.launch_dependents`` follows the
+  wait, so the next kernel's launch overlaps this one (as the Triton kernels' ``pdl_wait``);
 - the warps of a block take consecutive K slices of one 16-row tile and are summed through
   shared memory; blocks along K (``SPLIT``) through float32 partials and a per-tile counter (the
   protocol of :func:`.wna16_gemv.split_k_store`: the last block sums the partials in split
@@ -111,13 +116,14 @@ __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u3
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ float to_float(u16 v) {
+// (a 16-bit value in the low half)
+__device__ __forceinline__ float to_float(u32 v) {
 #if FP16
     float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((u16)v));
     return f;
 #else
-    return __uint_as_float(((u32)v) << 16);
+    return __uint_as_float(v << 16);
 #endif
 }
 
@@ -162,23 +168,54 @@ w4a16_mma_gemv(const uint4* __restrict__ qw, const u16* __restrict__ scales, con
             if (i < count) cp_async16(&ring[warp][i][lane], wp + i * 32);
             asm volatile("cp.async.commit_group;" ::: "memory");
         }
+        const int group_kb = group_size >> 6;
+        const int grp = kb0 / group_kb;
+#if !GROUP_KB
+        int group_left = min((grp + 1) * group_kb, kb_end) - kb0;  // blocks until the group's end
+#endif
+        // A group's scales (and zero points) are read RING groups ahead of their use (each is a
+        // DRAM read of its own, which would otherwise stall the warp once a group) into a ring of
+        // registers: with static group ends slot group s of the unrolled loop owns entry s, else
+        // the ring shifts. The offsets stop at the slice's last group (a repeat read is harmless).
+#if GROUP_KB
+#define RING (STAGES / GROUP_KB)
+#else
+#define RING 3
+#endif
+        const int last_at = (kb_end - 1) / group_kb * N + n_lo;
+        int ahead = grp * N + n_lo;  // NOTE: K / 64 * N < 2^31 for any model
+        u32 sc[RING][2];
+#if HAS_ZEROS
+        int zp[RING][2];
+#endif
+#pragma unroll
+        for (int d = 0; d < RING; ++d) {
+            if (d) ahead = min(ahead + N, last_at);
+            sc[d][0] = scales[ahead];
+            sc[d][1] = scales[ahead + 8];
+#if HAS_ZEROS
+            zp[d][0] = zeros[ahead];
+            zp[d][1] = zeros[ahead + 8];
+#endif
+        }
+#if HAS_ZEROS
+        u32 z_lo = neg_zero(zp[0][0]), z_hi = neg_zero(zp[0][1]);
+#else
+        const u32 z_lo = neg_zero(8), z_hi = neg_zero(8);
+#endif
 #if PDL
-        // everything above read weights only; the activations may come from the kernel before
+        // everything above read weights only; the activations may come from the kernel before.
+        // Then the next kernel may launch (its own wait holds it until this grid has finished),
+        // so its launch and its constant loads overlap this kernel's stream.
         asm volatile("griddepcontrol.wait;" ::: "memory");
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
         // NOTE: lanes past the M rows read row M - 1: their mma columns are never stored
         const u16* xp = x + (size_t)min(g, M - 1) * stride_xm + (size_t)kb0 * 64 + t * 16;
         const uint4* wnext = wp + STAGES * 32;
-        // two accumulator sets (even and odd mma steps): shorter dependency chains
+        // two accumulator sets (the weights' and the zero points' mma steps, or even and odd
+        // steps for fp16): shorter dependency chains
         float even[4] = {0.f, 0.f, 0.f, 0.f}, odd[4] = {0.f, 0.f, 0.f, 0.f};
-        const int group_kb = group_size >> 6;
-        int grp = kb0 / group_kb;
-        int group_left = min((grp + 1) * group_kb, kb_end) - kb0;  // blocks until the group's end
-        u32 z_lo = neg_zero(8), z_hi = neg_zero(8);
-#if HAS_ZEROS
-        z_lo = neg_zero(zeros[(size_t)grp * N + n_lo]);
-        z_hi = neg_zero(zeros[(size_t)grp * N + n_lo + 8]);
-#endif
         for (int i0 = 0; i0 < count; i0 += STAGES) {
 #pragma unroll
             for (int slot = 0; slot < STAGES; ++slot) {
@@ -196,27 +233,75 @@ w4a16_mma_gemv(const uint4* __restrict__ qw, const u16* __restrict__ scales, con
                 xp += 64;
                 const u32 b[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
                 const u32 q[4] = {wi.x, wi.y, wi.z, wi.w};
+#if GROUP_KB
+                if (slot % GROUP_KB == 0) {  // a group's first step: its mma add to zeros (RZ)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) even[c] = odd[c] = 0.f;
+#if HAS_ZEROS
+                    z_lo = neg_zero(zp[slot / GROUP_KB][0]);
+                    z_hi = neg_zero(zp[slot / GROUP_KB][1]);
+#endif
+                }
+#endif
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
+#if FP16
                     mma(j & 1 ? odd : even, unbias(fields(q[j]), z_lo), unbias(fields(q[j] >> 4), z_hi),
                         unbias(fields(q[j] >> 8), z_lo), unbias(fields(q[j] >> 12), z_hi), b[2 * j], b[2 * j + 1]);
+#else
+                    // the pairs 128 + q as they are, and -(128 + z) times the same activations
+                    // as a second mma: 1 instruction where unbiasing the pairs takes 4
+                    mma(even, fields(q[j]), fields(q[j] >> 4), fields(q[j] >> 8), fields(q[j] >> 12),
+                        b[2 * j], b[2 * j + 1]);
+                    mma(odd, z_lo, z_hi, z_lo, z_hi, b[2 * j], b[2 * j + 1]);
+#endif
                 }
+#if GROUP_KB
+                // slices start at a group and STAGES is a multiple of GROUP_KB: the group ends
+                // are fixed slots of the unrolled loop (neither a branch nor predicated code)
+                if ((slot + 1) % GROUP_KB == 0) {
+#else
                 if (--group_left == 0) {  // the group's (or the slice's) last block
-                    const float s_lo = to_float(scales[(size_t)grp * N + n_lo]);
-                    const float s_hi = to_float(scales[(size_t)grp * N + n_lo + 8]);
+#endif
+#if GROUP_KB
+                    const int r = slot / GROUP_KB;
+#else
+                    const int r = 0;
+#endif
+                    const float s_lo = to_float(sc[r][0]), s_hi = to_float(sc[r][1]);
                     acc[0] += s_lo * (even[0] + odd[0]);
                     acc[1] += s_lo * (even[1] + odd[1]);
                     acc[2] += s_hi * (even[2] + odd[2]);
                     acc[3] += s_hi * (even[3] + odd[3]);
+                    ahead = min(ahead + N, last_at);  // the group RING ahead
+#if GROUP_KB
+                    sc[r][0] = scales[ahead];
+                    sc[r][1] = scales[ahead + 8];
+#if HAS_ZEROS
+                    zp[r][0] = zeros[ahead];
+                    zp[r][1] = zeros[ahead + 8];
+#endif
+#else
 #pragma unroll
                     for (int c = 0; c < 4; ++c) even[c] = odd[c] = 0.f;
-                    ++grp;
                     group_left = min(group_kb, count - i - 1);
+#pragma unroll
+                    for (int d = 0; d + 1 < RING; ++d) {
+                        sc[d][0] = sc[d + 1][0];
+                        sc[d][1] = sc[d + 1][1];
 #if HAS_ZEROS
-                    if (group_left > 0) {
-                        z_lo = neg_zero(zeros[(size_t)grp * N + n_lo]);
-                        z_hi = neg_zero(zeros[(size_t)grp * N + n_lo + 8]);
+                        zp[d][0] = zp[d + 1][0];
+                        zp[d][1] = zp[d + 1][1];
+#endif
                     }
+                    sc[RING - 1][0] = scales[ahead];
+                    sc[RING - 1][1] = scales[ahead + 8];
+#if HAS_ZEROS
+                    zp[RING - 1][0] = zeros[ahead];
+                    zp[RING - 1][1] = zeros[ahead + 8];
+                    z_lo = neg_zero(zp[0][0]);
+                    z_hi = neg_zero(zp[0][1]);
+#endif
 #endif
                 }
             }
@@ -225,6 +310,7 @@ w4a16_mma_gemv(const uint4* __restrict__ qw, const u16* __restrict__ scales, con
 #if PDL
     // (a warp without K blocks: before any output store or counter, as the others)
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
     // C fragment: acc[c] is output row g + 8 (c >> 1), activation row 2 t + (c & 1)
     __shared__ float red[WARPS][4][32];
@@ -275,7 +361,7 @@ def _mma_available(device: torch.device) -> bool:
     if os.environ.get("PAGEDLM_CUDA_W4A16_MMA", "1") == "0" or torch.cuda.get_device_capability(device) < (8, 0):
         return False
     try:
-        _kernel(device, False, False, 4, 4)
+        _kernel(device, False, False, 4, 4, 2)
     except Exception as e:  # noqa: BLE001 - no NVRTC, or it cannot compile: the Triton kernels stay
         logger.warning("W4A16 tensor-core GEMV unavailable (%s); using the Triton GEMV", e)
         return False
@@ -287,22 +373,23 @@ WARPS_PER_SM = 32
 
 
 @cache
-def _kernel(device: torch.device, fp16: bool, has_zeros: bool, warps: int, stages: int):
+def _kernel(device: torch.device, fp16: bool, has_zeros: bool, warps: int, stages: int, group_kb: int):
     from pagedlm.backends.cuda.nvrtc import Kernel, compile_cubin
 
     major, minor = torch.cuda.get_device_capability(device)
-    defines = {"FP16": fp16, "HAS_ZEROS": has_zeros, "WARPS": warps, "STAGES": stages,
+    defines = {"FP16": fp16, "HAS_ZEROS": has_zeros, "WARPS": warps, "STAGES": stages, "GROUP_KB": group_kb,
                "MIN_BLOCKS": max(1, WARPS_PER_SM // warps), "PDL": pdl_options(device)["USE_PDL"]}
     kernel = Kernel(compile_cubin(_SOURCE, "w4a16_mma_gemv", major * 10 + minor, defines), "w4a16_mma_gemv", device)
     kernel.prefer_shared_memory()
     return kernel
 
 
-def prepare_mma_kernel(device: torch.device, n: int, k: int, dtype: torch.dtype, has_zeros: bool) -> None:
+def prepare_mma_kernel(device: torch.device, n: int, k: int, group_size: int, dtype: torch.dtype,
+                       has_zeros: bool) -> None:
     """Build the kernel variant an ``[*, k] x [k, n]`` product will launch (NVRTC and the module
     load must not run inside a CUDA-graph capture)."""
-    _, warps, _, stages = mma_config(n, k, num_sms(device))
-    _kernel(device, dtype == torch.float16, has_zeros, warps, stages)
+    _, warps, _, stages, group_kb = mma_config(n, k, group_size, num_sms(device))
+    _kernel(device, dtype == torch.float16, has_zeros, warps, stages, group_kb)
 
 
 def mma_word_and_shift(k: torch.Tensor, n: torch.Tensor, k_total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,25 +428,31 @@ def mma_unpack(packed: torch.Tensor) -> torch.Tensor:
     return (packed.reshape(-1)[word] >> shift) & 15
 
 
-def mma_config(n: int, k: int, sms: int, *, warps: int | None = None, stages: int = 4,
-               warps_per_sm: int | None = None) -> tuple[int, int, int, int]:
-    """``(kb_per_warp, WARPS, SPLIT, STAGES)``: K is cut into as many slices (one a warp) as keep
-    the grid near ``warps_per_sm`` warps per SM (one wave, each warp streaming its slice through
-    ``stages`` in-flight blocks), ``warps`` slices to a block, ``SPLIT`` blocks along K.
+def mma_config(n: int, k: int, group_size: int, sms: int, *, warps: int | None = None, stages: int = 4,
+               warps_per_sm: int | None = None) -> tuple[int, int, int, int, int]:
+    """``(kb_per_warp, WARPS, SPLIT, STAGES, GROUP_KB)``: K is cut into as many slices (one a
+    warp) as keep the grid near ``warps_per_sm`` warps per SM (one wave, each warp streaming its
+    slice through ``stages`` in-flight blocks), ``warps`` slices to a block, ``SPLIT`` blocks along
+    K. ``GROUP_KB`` is the group's K blocks where ``stages`` is a multiple of them (the slices are
+    then whole groups and the kernel applies the scales at fixed loop slots), else 0 (a count).
 
     Defaults (``bench_quant.py --sweep-mma``, Llama-3.1-8B at one row, H100, 2026-12-07): 4 stages;
     at most 512 row tiles (q/k/v, o, down) 8 warps a block sized for 16 warps per SM, more tiles
     (gate/up) 4 warps sized for 32: 60.0 us a layer against 66.7 for the best single setting and
-    68.5 for the Triton GEMV."""
+    68.5 for the Triton GEMV; after the kernel's later changes 51.6 us, each product within 0.3 us
+    of its best setting."""
     tiles, kbt = n // 16, k // 64
     few_tiles = tiles <= 512
     warps = warps or (8 if few_tiles else 4)
     warps_per_sm = warps_per_sm or (16 if few_tiles else 32)
     slices = max(1, min(kbt, sms * warps_per_sm // tiles))
     kb = -(-kbt // slices)
+    group_kb = group_size // 64 if stages % (group_size // 64) == 0 else 0
+    if group_kb:
+        kb = -(-kb // group_kb) * group_kb
     slices = -(-kbt // kb)
     warps = min(warps, slices)
-    return kb, warps, -(-slices // warps), stages
+    return kb, warps, -(-slices // warps), stages, group_kb
 
 
 def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -371,14 +464,14 @@ def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     n = qweight.shape[1]
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)  # 16-byte activation loads
-    kb, warps, split, stages = mma_config(n, k, num_sms(x.device), **tuning)
+    kb, warps, split, stages, group_kb = mma_config(n, k, group_size, num_sms(x.device), **tuning)
     tiles = n // 16
     counters = split_k_counters(x.device, tiles) if split > 1 else None
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else None
-    kernel = _kernel(x.device, x.dtype == torch.float16, zeros is not None, warps, stages)
+    kernel = _kernel(x.device, x.dtype == torch.float16, zeros is not None, warps, stages, group_kb)
     kernel((tiles, split, 1), warps * 32, qweight, scales, zeros, x, out, part, counters,
            m, n, k, x.stride(0), out.stride(0), group_size, kb, pdl=pdl_options(x.device)["USE_PDL"])
     if split > 1 and counters is None:
