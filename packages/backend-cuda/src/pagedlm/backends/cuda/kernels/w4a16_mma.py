@@ -260,13 +260,10 @@ w4a16_mma_gemv(const uint4* __restrict__ qw, const u16* __restrict__ scales, con
                 // slices start at a group and STAGES is a multiple of GROUP_KB: the group ends
                 // are fixed slots of the unrolled loop (neither a branch nor predicated code)
                 if ((slot + 1) % GROUP_KB == 0) {
+                    const int r = slot / GROUP_KB;  // this slot group's ring entry
 #else
                 if (--group_left == 0) {  // the group's (or the slice's) last block
-#endif
-#if GROUP_KB
-                    const int r = slot / GROUP_KB;
-#else
-                    const int r = 0;
+                    const int r = 0;  // the ring shifts
 #endif
                     const float s_lo = to_float(sc[r][0]), s_hi = to_float(sc[r][1]);
                     acc[0] += s_lo * (even[0] + odd[0]);
