@@ -198,21 +198,24 @@ def test_wna16_gemm_finds_groups_without_an_integer_division(mma_layout):
     assert not _has_integer_division(ptx)
 
 
-def _compile_decode_attention(fp8: bool, ids_ahead: bool = False):
+def _compile_decode_attention(fp8: bool, ids_ahead: bool = False, split: bool = False):
     """The decode launch of the paged-attention kernel at Llama-3.1-8B's heads (32 / 8, head 128,
-    block 16), with the launch shape paged_attention takes by default."""
+    block 16), with the launch shape paged_attention takes by default (``split``: split-KV, the
+    partials merged in the kernel)."""
     from pagedlm.backends.cuda.kernels.paged_attention import _paged_attention_kernel, launch_shape
 
     kv = "*fp8e4nv" if fp8 else "*bf16"
     signature = {"out_ptr": "*bf16", "query_ptr": "*bf16", "key_cache_ptr": kv, "value_cache_ptr": kv,
                  "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
                  "req_order_ptr": "*i32", "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
-                 "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "span_end_ptr": "*i32", "num_reqs": "i32",
+                 "count_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "span_end_ptr": "*i32",
+                 "num_reqs": "i32",
                  "num_heads": "i32", "scale": "fp32", "soft_cap": "fp32", "sliding_window": "i32", "num_splits": "i32",
                  "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32"}
     block_m, block_n, num_warps, num_stages = launch_shape(True, fp8, 4)
     constexprs = {"NUM_KV_HEADS": 8, "GROUP": 4, "GROUP_PAD": 4, "HEAD_SIZE": 128, "HEAD_PAD": 128, "BLOCK_SIZE": 16,
-                  "BLOCK_Q": 1, "BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_KV": False, "DECODE_ONLY": True,
+                  "BLOCK_Q": 1, "BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_KV": split, "COMBINE": split,
+                  "DECODE_ONLY": True,
                   "ORDERED": True, "USE_SOFT_CAP": False, "USE_WINDOW": False, "DOT_PRECISION": "tf32",
                   "UPCAST_DOTS": False, "FP8_KV": fp8, "FP8_FP16_DOTS": False, "FP8_DECODE": fp8, "ON_GPU": True,
                   "HAS_SPANS": False, "USE_PDL": True, "IDS_AHEAD": ids_ahead}
@@ -225,6 +228,16 @@ def _compile_decode_attention(fp8: bool, ids_ahead: bool = False):
         "stride_ot", "stride_oh", "stride_bt")}
     return _compile_for_sm90(_paged_attention_kernel, signature, constexprs, num_warps=num_warps, attrs=attrs,
                              num_stages=num_stages).asm["ptx"]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_split_decode_attention_merges_in_the_kernel(fp8):
+    """A split decode launch counts its finished splits with one acquire-release atomic at GPU
+    scope per program, reads the partials back past L1 (``ld.global.cg``) and resets the counter."""
+    ptx = _compile_decode_attention(fp8, split=True)
+    atomics = set(re.findall(r"atom\S*", ptx))
+    assert atomics == {"atom.global.gpu.acq_rel.add.u32", "atom.global.gpu.acq_rel.exch.b32"}, atomics
+    assert "ld.global.cg." in ptx
 
 
 @pytest.mark.parametrize(("fp8", "ids_ahead"), [(True, False), (False, True)], ids=["fp8-decode", "ids-ahead"])

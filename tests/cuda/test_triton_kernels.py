@@ -8,6 +8,7 @@ owns poisoned with NaN, so reading outside a context shows up in the output. The
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -164,6 +165,32 @@ def test_long_context_decode(device, num_splits, dtype):
     meta = check(case, device, dtype, num_splits=num_splits, **shape)
     if num_splits is None and device.type == "cuda":
         assert meta.num_splits > 1, "three long decodes should take the split-KV path"
+
+
+@pytest.mark.parametrize("merge", ["in-kernel", "combine-launch"])
+def test_split_merge_paths(device, monkeypatch, merge):
+    """Split partials merged by each group's last program (``PAGEDLM_CUDA_SPLIT_KV_MERGE=kernel``)
+    or by the combine launch (the default) give the same rows, and the counters are all back at
+    zero after each launch (the next split launch, or split-K GEMM, starts there)."""
+    from pagedlm.backends.cuda.kernels import paged_attention as pa
+    from pagedlm.backends.cuda.kernels.wna16_gemv import split_k_counters
+
+    monkeypatch.setenv("PAGEDLM_CUDA_SPLIT_KV_MERGE", "kernel" if merge == "in-kernel" else "launch")
+    # a fresh cache of the setting, so this test's value does not outlive it
+    monkeypatch.setattr(pa, "split_merge_in_kernel", functools.cache(pa.split_merge_in_kernel.__wrapped__))
+    launches, real_launch = [], pa.launch
+    monkeypatch.setattr(pa, "launch", lambda kernel, *a, **k: (launches.append(kernel), real_launch(kernel, *a, **k)))
+    shape = dict(num_heads=8, num_kv_heads=2, head_size=64)
+    case = make_case(DECODES + LONG_DECODES, block_size=16, dtype=torch.float32, seed=21, **shape)
+    for num_splits in (4, 8, 4):
+        launches.clear()
+        check(case, device, torch.float32, num_splits=num_splits, **shape)
+        assert (pa._combine_splits_kernel in launches) == (merge == "combine-launch"), launches
+        assert not split_k_counters(device, 0).any()
+    with pytest.raises(ValueError, match="PAGEDLM_CUDA_SPLIT_KV_MERGE='both'.*'launch'.*'kernel'"):
+        monkeypatch.setenv("PAGEDLM_CUDA_SPLIT_KV_MERGE", "both")
+        pa.split_merge_in_kernel.cache_clear()
+        pa.split_merge_in_kernel()
 
 
 @pytest.mark.parametrize("num_splits", [2, 4])

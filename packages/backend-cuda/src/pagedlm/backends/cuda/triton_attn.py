@@ -2,7 +2,8 @@
 
 Same KV-cache layout as ``cpu_paged`` (``[2, num_blocks, block_size, num_kv_heads, head_size]``),
 so the reference backend can check these kernels on identical caches. One step is two launches
-per layer (three with split-KV): the KV write through ``slot_mapping``, then one attention
+per layer (three with split-KV, unless ``PAGEDLM_CUDA_SPLIT_KV_MERGE=kernel`` merges the split
+partials in the attention launch): the KV write through ``slot_mapping``, then one attention
 kernel over the whole flat batch (prefill chunks, prefix-cached prompts and decodes together);
 see :mod:`pagedlm.backends.cuda.kernels.paged_attention`.
 
@@ -22,8 +23,10 @@ from pagedlm.backends.cuda.kernels.paged_attention import (
     INTERPRET,
     choose_num_splits,
     paged_attention,
+    split_merge_in_kernel,
     write_kv_cache,
 )
+from pagedlm.backends.cuda.kernels.wna16_gemv import split_k_counters
 from pagedlm.core.attention import (
     AttentionBackend,
     AttentionImpl,
@@ -77,6 +80,10 @@ class TritonAttentionMetadataBuilder(AttentionMetadataBuilder[TritonAttentionMet
             self.num_sms = 4
         #: number of kv heads of the model (splits depend on it); 8 until bind_model
         self.num_kv_heads = 8
+        if split_merge_in_kernel():
+            # NOTE: made here, outside any CUDA-graph capture: split-KV launches merge their
+            # partials in the kernel only where the counters exist when they are captured
+            split_k_counters(device, 0)
 
     def bind_model(self, *, num_kv_heads: int, head_size: int) -> None:
         self.num_kv_heads = num_kv_heads

@@ -27,8 +27,12 @@ chunked-prefill continuations and decodes alike.
 
 Split-KV (flash-decoding): with ``num_splits > 1`` each program covers one contiguous slice of
 the key range and writes an unnormalised partial result plus its running max and sum;
-``_combine_splits_kernel`` merges them. Used when there are too few (request, kv head) pairs to
-fill the GPU, i.e. small decode batches over long contexts.
+``_combine_splits_kernel`` merges them in a second launch. With ``PAGEDLM_CUDA_SPLIT_KV_MERGE=kernel``
+(:func:`split_merge_in_kernel`) the last program of a (query tile, kv head) to finish merges them
+instead, in the same launch (a counter per pair, taken with an acquire-release atomic:
+:func:`.wna16_gemv.split_k_counters`, shared with the split-K GEMMs; where the counters do not
+exist yet inside a CUDA-graph capture, the combine launch still runs). Split-KV is used when there
+are too few (request, kv head) pairs to fill the GPU, i.e. small decode batches over long contexts.
 
 FP8 cache (float8_e4m3fn, stored = value / scale): every launch under a 16-bit query converts
 each tile to float16 for float16 dots. Decode-only launches run the key loop transposed
@@ -38,6 +42,7 @@ tile ahead; the others take the common loop (``FP8_FP16_DOTS``).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -45,8 +50,9 @@ import triton
 import triton.language as tl
 
 from pagedlm.backends.cuda.kernels.launch import launch, pdl_options, pdl_wait
+from pagedlm.backends.cuda.kernels.wna16_gemv import split_k_counters
 
-__all__ = ["paged_attention", "write_kv_cache", "choose_num_splits", "launch_shape"]
+__all__ = ["paged_attention", "write_kv_cache", "choose_num_splits", "launch_shape", "split_merge_in_kernel"]
 
 #: the combine kernel's split capacity (one variant up to it; choose_num_splits never exceeds it)
 MAX_COMBINED_SPLITS = 16
@@ -55,6 +61,18 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 # Triton 3.6's interpreter computes bf16 tl.dot wrongly (garbage, seen on CPU); under it the dots
 # take float32 copies of the same bf16 values instead. Never set on a GPU.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def split_merge_in_kernel() -> bool:
+    """Whether split-KV launches merge their partials in the kernel (``PAGEDLM_CUDA_SPLIT_KV_MERGE``
+    ``kernel``) rather than in a second, combine launch (``launch``, the default until the in-kernel
+    merge is measured on a GPU; any other value is an error)."""
+    value = os.environ.get("PAGEDLM_CUDA_SPLIT_KV_MERGE", "launch")
+    if value not in ("launch", "kernel"):
+        raise ValueError(f"PAGEDLM_CUDA_SPLIT_KV_MERGE={value!r}: allowed values are 'launch' (a combine kernel "
+                         "after the attention launch) and 'kernel' (the last split of each group merges)")
+    return value == "kernel"
 
 
 @triton.jit
@@ -194,13 +212,13 @@ def _tile_start(query_start_loc_ptr, req, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, req_order_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr, k_scale_ptr, v_scale_ptr, span_end_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, count_ptr, k_scale_ptr, v_scale_ptr, span_end_ptr,
     num_reqs, num_heads, scale, soft_cap, sliding_window, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_KV: tl.constexpr, DECODE_ONLY: tl.constexpr, ORDERED: tl.constexpr,
+    SPLIT_KV: tl.constexpr, COMBINE: tl.constexpr, DECODE_ONLY: tl.constexpr, ORDERED: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOTS: tl.constexpr, FP8_KV: tl.constexpr, FP8_FP16_DOTS: tl.constexpr, FP8_DECODE: tl.constexpr,
     ON_GPU: tl.constexpr, HAS_SPANS: tl.constexpr, USE_PDL: tl.constexpr, IDS_AHEAD: tl.constexpr,
@@ -368,6 +386,40 @@ def _paged_attention_kernel(
             tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], acc, mask=out_mask)
             tl.store(part_max_ptr + part, m_i, mask=row_valid)
             tl.store(part_sum_ptr + part, l_i, mask=row_valid)
+            if COMBINE:
+                # the group's last split to finish merges the partials (no combine launch); every
+                # thread's partial is stored before the (release) count is taken
+                tl.debug_barrier()
+                arrived = tl.atomic_add(count_ptr + tile * NUM_KV_HEADS + kv_head, 1, sem="acq_rel", scope="gpu")
+                if arrived == num_splits - 1:
+                    _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token, head, d, row_valid,
+                                  out_mask, num_heads, num_splits, stride_ot, stride_oh, HEAD_PAD, BLOCK_M)
+                    tl.atomic_xchg(count_ptr + tile * NUM_KV_HEADS + kv_head, 0)
+
+
+@triton.jit
+def _merge_splits(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token, head, d, row_valid, out_mask,
+                  num_heads, num_splits, stride_ot, stride_oh, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Rows ``(token, head)`` ``[BLOCK_M]``: the softmax-weighted sum of their ``num_splits``
+    partial results (loads from L2 with ``.cg``: the other programs' stores are there, L1 is not
+    coherent)."""
+    base = (token * num_heads + head) * num_splits
+    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(num_splits):
+        m_all = tl.maximum(m_all, tl.load(part_max_ptr + base + s, mask=row_valid, other=float("-inf"),
+                                          cache_modifier=".cg"))
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    for s in range(num_splits):
+        w = tl.exp2(tl.load(part_max_ptr + base + s, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
+                    - m_safe)  # 0 for a split that saw no key
+        total += w * tl.load(part_sum_ptr + base + s, mask=row_valid, other=0.0, cache_modifier=".cg")
+        acc += w[:, None] * tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_PAD + d[None, :], mask=out_mask,
+                                    other=0.0, cache_modifier=".cg")
+    o = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -521,19 +573,23 @@ def paged_attention(
         part_sum = torch.empty(n, dtype=torch.float32, device=out.device)
     else:
         part_acc = part_max = part_sum = out  # unused
+    # with counters at hand the split groups' last programs merge the partials (else a combine launch)
+    merge_in_kernel = num_splits > 1 and split_merge_in_kernel()
+    counters = split_k_counters(out.device, num_tiles * num_kv_heads) if merge_in_kernel else None
     grid = (num_kv_heads, num_tiles, num_splits) if decode_only else (num_tiles, num_kv_heads, num_splits)
     ordered = decode_only and req_order is not None
     launch(
         _paged_attention_kernel, grid,
         out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
         req_order if ordered else seq_lens, part_acc, part_max, part_sum,
+        counters if counters is not None else seq_lens,
         k_scale if fp8_kv else seq_lens, v_scale if fp8_kv else seq_lens,
         span_end if span_end is not None else seq_lens,
         num_reqs, num_heads, float(scale), float(soft_cap or 1.0), int(sliding_window or 0), num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT_KV=num_splits > 1, DECODE_ONLY=decode_only, ORDERED=ordered,
+        SPLIT_KV=num_splits > 1, COMBINE=counters is not None, DECODE_ONLY=decode_only, ORDERED=ordered,
         USE_SOFT_CAP=soft_cap is not None, USE_WINDOW=sliding_window is not None,
         # fp32 models are the HF-parity configuration: no tf32 rounding in the dots there
         DOT_PRECISION="ieee" if fp32 else "tf32",
@@ -543,7 +599,7 @@ def paged_attention(
         IDS_AHEAD=bool((config or {}).get("IDS_AHEAD", False)),
         num_warps=num_warps, num_stages=num_stages, **pdl_options(query.device),
     )
-    if num_splits > 1:
+    if num_splits > 1 and counters is None:
         launch(
             _combine_splits_kernel, (num_tokens, num_heads),
             out, part_acc, part_max, part_sum, num_heads, out.stride(0), out.stride(1), num_splits,
