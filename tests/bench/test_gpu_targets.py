@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,3 +56,42 @@ def test_a_failed_run_leaves_its_figures_unmeasured(targets):
     rows = targets.evaluate({"fixed bf16": {"output_tokens_per_s": 1.0}, "fixed fp8": None})
     fp8 = next(r for r in rows if r["target"] == "fp8")
     assert fp8["value"] is None and not fp8["met"]
+
+
+def test_ab_compares_each_runs_headline_figure(targets):
+    base = {"latency bf16": _latency(4.0, 15.0, 1.1), "fixed fp8": {"output_tokens_per_s": 100.0}, "nano 1": None}
+    ab = {"latency bf16": _latency(3.6, 15.0, 1.0), "fixed fp8": {"output_tokens_per_s": 110.0},
+          "nano 1": {"output_tokens_per_s": 5.0}}
+    runs = {r["run"]: r for r in targets.compare_runs(base, ab)}
+    assert runs["latency bf16"]["figure"] == "decode p50 ms" and runs["latency bf16"]["ratio"] == 0.9
+    assert runs["fixed fp8"]["figure"] == "output tok/s" and runs["fixed fp8"]["ratio"] == 1.1
+    assert runs["nano 1"]["base"] is None and runs["nano 1"]["ratio"] is None
+
+
+@pytest.mark.parametrize("bad", ["PAGEDLM_X", "=1", "A B=1"])
+def test_ab_names_an_assignment_it_cannot_read(targets, bad):
+    with pytest.raises(ValueError, match=f"--ab {bad!r}: expected KEY=VALUE"):
+        targets.parse_env([bad])
+
+
+def test_ab_runs_each_command_with_and_without_the_variable(targets, tmp_path, monkeypatch, capsys):
+    """The switch reaches the benchmark's environment; each run's JSON is kept apart."""
+    seen = []
+
+    def fake_run(cmd, capture_output, text, env):
+        seen.append(env.get("PAGEDLM_CUDA_SPLIT_KV_MERGE"))
+        out = Path(cmd[cmd.index("--output-json") + 1])
+        tps = 200.0 if env.get("PAGEDLM_CUDA_SPLIT_KV_MERGE") == "kernel" else 100.0
+        out.write_text(json.dumps({"output_tokens_per_s": tps}))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(targets.subprocess, "run", fake_run)
+    monkeypatch.setattr(sys, "argv", ["gpu_targets", "--out", str(tmp_path), "--only", "fp8",
+                                      "--ab", "PAGEDLM_CUDA_SPLIT_KV_MERGE=kernel"])
+    assert targets.main() == 0
+    assert seen == [None, "kernel", None, "kernel"]
+    ab = json.loads((tmp_path / "ab.json").read_text())
+    assert ab["env"] == {"PAGEDLM_CUDA_SPLIT_KV_MERGE": "kernel"}
+    assert [r["ratio"] for r in ab["runs"]] == [2.0, 2.0]
+    assert (tmp_path / "fixed_fp8_ab.json").exists() and (tmp_path / "fixed_fp8.json").exists()
+    assert "fixed fp8" in capsys.readouterr().out

@@ -17,12 +17,17 @@ Targets (Llama-3.1-8B and Qwen3-0.6B shapes, dummy weights):
 
 The table is also written to ``DIR/targets.json``; a command that fails is reported with its exit
 status and the tail of its output, and the others still run.
+
+``--ab KEY=VALUE`` (repeatable) measures a switch in the same run: each command runs twice in a
+row, as it is and with those environment variables set (say ``PAGEDLM_CUDA_SPLIT_KV_MERGE=kernel``),
+and a second table and each run's headline figure side by side follow; ``DIR/ab.json`` keeps them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -94,11 +99,30 @@ def evaluate(results: dict[str, dict[str, Any] | None]) -> list[dict[str, Any]]:
     return rows
 
 
-def _run(name: str, args: list[str], out: Path) -> dict[str, Any] | None:
-    path = out / (name.replace(" ", "_") + ".json")
+def headline(result: dict[str, Any]) -> tuple[str, float]:
+    """A run's one figure: decode p50 (ms) for a latency run, else output tokens/s."""
+    if "decode_latency_ms" in result:
+        return "decode p50 ms", _decode_ms(result)
+    return "output tok/s", result["output_tokens_per_s"]
+
+
+def parse_env(assignments: list[str]) -> dict[str, str]:
+    """``["KEY=VALUE", ...]`` as a dict; ValueError naming an entry that is not one."""
+    env = {}
+    for item in assignments:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not key.replace("_", "").isalnum():
+            raise ValueError(f"--ab {item!r}: expected KEY=VALUE, an environment variable and its value")
+        env[key] = value
+    return env
+
+
+def _run(name: str, args: list[str], out: Path, env: dict[str, str] | None = None) -> dict[str, Any] | None:
+    path = out / (name.replace(" ", "_") + ("_ab" if env else "") + ".json")
     cmd = [sys.executable, "-m", "pagedlm.core.cli", *args, "--output-json", str(path)]
-    print(f"== {name}: pagedlm {' '.join(args)}", flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    with_env = "".join(f"{k}={v} " for k, v in (env or {}).items())
+    print(f"== {name}: {with_env}pagedlm {' '.join(args)}", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if proc.returncode != 0 or not path.exists():
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
         print(f"   failed (exit status {proc.returncode}):", *tail, sep="\n   ", flush=True)
@@ -111,22 +135,58 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="folder for each run's JSON and targets.json")
     parser.add_argument("--only", default=",".join(TARGETS),
                         help=f"comma-separated targets (default all: {', '.join(TARGETS)})")
+    parser.add_argument("--ab", action="append", default=[], metavar="KEY=VALUE",
+                        help="also run every command with this environment variable set (repeatable)")
     args = parser.parse_args()
     wanted = [t.strip() for t in args.only.split(",") if t.strip()]
     unknown = [t for t in wanted if t not in TARGETS]
     if unknown:
         parser.error(f"--only {args.only!r}: unknown target(s) {unknown}; choose from {', '.join(TARGETS)}")
+    try:
+        ab_env = parse_env(args.ab)
+    except ValueError as e:
+        parser.error(str(e))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names = list(dict.fromkeys(name for t in wanted for name in TARGETS[t]))
-    results = {name: _run(name, RUNS[name], out) for name in names}
+    results, ab_results = {}, {}
+    for name in names:  # with --ab, each command and its variant back to back (same machine state)
+        results[name] = _run(name, RUNS[name], out)
+        if ab_env:
+            ab_results[name] = _run(name, RUNS[name], out, ab_env)
     rows = [r for r in evaluate(results) if r["target"] in wanted]
+    _print_rows(rows)
+    (out / "targets.json").write_text(json.dumps(rows, indent=1))
+    if ab_env:
+        ab_rows = [r for r in evaluate(ab_results) if r["target"] in wanted]
+        print(f"-- with {' '.join(f'{k}={v}' for k, v in ab_env.items())}:")
+        _print_rows(ab_rows)
+        runs = compare_runs(results, ab_results)
+        for r in runs:
+            print(f"{r['run']:<22} {r['figure']:<14} {r['base']!s:>12} -> {r['ab']!s:>12}  ({r['ratio']})")
+        (out / "ab.json").write_text(json.dumps({"env": ab_env, "targets": ab_rows, "runs": runs}, indent=1))
+    return 0
+
+
+def compare_runs(base: dict[str, dict[str, Any] | None], ab: dict[str, dict[str, Any] | None]) -> list[dict[str, Any]]:
+    """Per run: its headline figure without and with the switch, and their ratio (``ab / base``;
+    None where either run failed)."""
+    rows = []
+    for name, b in base.items():
+        a = ab.get(name)
+        figure = headline(b)[0] if b else headline(a)[0] if a else "-"
+        vb = headline(b)[1] if b else None
+        va = headline(a)[1] if a else None
+        ratio = round(va / vb, 4) if vb and va else None
+        rows.append({"run": name, "figure": figure, "base": vb, "ab": va, "ratio": ratio})
+    return rows
+
+
+def _print_rows(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         value = "not measured" if r["value"] is None else f"{r['value']:,.3f}"
         verdict = "met" if r["met"] else "NOT met"
         print(f"{r['target']:<8} {r['figure']:<50} {value:>14}  target {r['bar']:g}  {verdict}")
-    (out / "targets.json").write_text(json.dumps(rows, indent=1))
-    return 0
 
 
 if __name__ == "__main__":
