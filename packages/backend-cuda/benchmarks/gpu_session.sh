@@ -100,6 +100,14 @@ fi
 if has kernel-bench; then
   stage kernel-bench 180 python3 packages/backend-cuda/benchmarks/bench_attention.py --output-json "$OUT/kernel.json"
 fi
+if has kernel-bench-merge; then  # the same with the split-KV partials merged in the attention launch
+  stage kernel-bench-merge 180 env PAGEDLM_CUDA_SPLIT_KV_MERGE=kernel \
+    python3 packages/backend-cuda/benchmarks/bench_attention.py --output-json "$OUT/kernel-merge.json"
+fi
+if has targets; then  # the open targets (TARGETS=w4a16,fp8,... ; AB=KEY=VALUE adds the A/B of a switch)
+  stage targets 540 python3 packages/backend-cuda/benchmarks/gpu_targets.py --out "$OUT/targets" \
+    --only "${TARGETS:-w4a16,fp8}" ${AB:+--ab "$AB"}
+fi
 if has gemv-bench; then  # the decode GEMV's sweep against cuBLAS (GEMV_ARGS="" for the full sweep)
   stage gemv-bench 540 python3 packages/backend-cuda/benchmarks/bench_dense_gemv.py ${GEMV_ARGS---quick} \
     --output-json "$OUT/gemv.json"
