@@ -10,9 +10,11 @@
 # the cache itself). For stages in another order, run the script once per group with its own
 # OUT (OUT=/tmp/out/first STAGES=install,nano ...; OUT=/tmp/out/then STAGES=init-spy ...).
 #
-# Needs the wheels in .whl/ (hatchling & co., compressed-tensors, gguf, xgrammar and
-# apache-tvm-ffi for the tests: see ../shared/tools/device-wheels) on a machine without a package
-# index.
+# Needs the wheels in .whl/ on a machine without a package index (6 MB; the versions CI's
+# constraints resolved on 2026-12-07, fetched for Python 3.12 by ../shared/tools/device-wheels):
+#   hatchling==1.33.0 pathspec==1.1.1 trove-classifiers==2026.9.21.13 editables==0.5 pyzmq==27.3.0
+#   msgspec==0.23.0 compressed-tensors==0.20.1 gguf==0.19.0 xgrammar==0.2.9
+#   apache-tvm-ffi==0.1.15.post2 loguru==0.8.0
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/pagedlm-gpu-out}
