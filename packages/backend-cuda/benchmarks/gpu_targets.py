@@ -174,11 +174,9 @@ def compare_runs(base: dict[str, dict[str, Any] | None], ab: dict[str, dict[str,
     rows = []
     for name, b in base.items():
         a = ab.get(name)
-        figure = headline(b)[0] if b else headline(a)[0] if a else "-"
-        vb = headline(b)[1] if b else None
-        va = headline(a)[1] if a else None
+        (figure_b, vb), (figure_a, va) = headline(b) if b else (None, None), headline(a) if a else (None, None)
         ratio = round(va / vb, 4) if vb and va else None
-        rows.append({"run": name, "figure": figure, "base": vb, "ab": va, "ratio": ratio})
+        rows.append({"run": name, "figure": figure_b or figure_a or "-", "base": vb, "ab": va, "ratio": ratio})
     return rows
 
 
