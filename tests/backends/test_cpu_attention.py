@@ -329,6 +329,71 @@ def test_attention_layer_facade_uses_cpu_backend():
     torch.testing.assert_close(out.view(t, 4, 32).double(), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_attention_layer_applies_a_pending_rotary_unless_the_impl_fuses_it():
+    """``Attention(q, k, v, rotary=...)`` is ``Attention(*rotary(q, k), v)``: applied by the layer
+    for an impl without ``fuses_rotary`` (cpu_paged), handed to one that declares it, except where
+    no fused kernel computes it (Gemma's q/k norms) or there is no metadata (profiling run)."""
+    from pagedlm.core.layers import GemmaRMSNorm, RMSNorm
+    from pagedlm.core.layers.rotary import PendingRotary, RotaryEmbedding, _default_inv_freq
+
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    backend = get_attn_backend_cls(config)
+
+    class FusingImpl(backend.get_impl_cls()):
+        fuses_rotary = True
+        received: list = []
+
+        def forward(self, query, key, value, kv_cache, metadata, rotary=None):
+            type(self).received.append(rotary)
+            if metadata is None:  # a profiling run (cpu_paged itself is never given one)
+                return torch.zeros_like(query)
+            if rotary is not None:
+                t = query.shape[0]
+                q, k = rotary.apply(query.reshape(t, -1), key.reshape(t, -1))
+                query, key = q.view(query.shape), k.view(key.shape)
+            return super().forward(query, key, value, kv_cache, metadata)
+
+    class FusingBackend(backend):
+        @staticmethod
+        def get_impl_cls():
+            return FusingImpl
+
+    step = make_step(MIXED_BATCH, block_size=16, num_heads=4, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    t = step.common.num_actual_tokens
+    q, k, v = (x.reshape(t, -1) for x in (step.query, step.key, step.value))
+    rope = RotaryEmbedding(32, 32, 128, _default_inv_freq(10000.0, 32))
+    positions = torch.randint(0, 128, (t,), generator=torch.Generator().manual_seed(1))
+    metadata = CpuAttentionMetadataBuilder(block_size=16, device=torch.device("cpu")).build(step.common)
+    q_norm, k_norm = RMSNorm(32, eps=1e-6), RMSNorm(32, eps=1e-6)
+    q_norm.weight.data.normal_(1.0, 0.2)
+    k_norm.weight.data.normal_(1.0, 0.2)
+
+    def run(attn_backend, prefix, query, key, pending=None, meta=metadata):
+        with set_current_vllm_config(config, attn_backend):
+            layer = Attention(4, 32, 32**-0.5, 2, prefix=prefix)
+        layer.kv_cache = step.kv_cache.clone()
+        with set_forward_context(meta):
+            return layer(query, key, v, rotary=pending)
+
+    for norms in [(None, None), (q_norm, k_norm)]:
+        pending = rope.pending(positions, *norms)
+        assert isinstance(pending, PendingRotary) and pending.fusable
+        rq, rk = pending.apply(q, k)
+        assert not torch.equal(rq, q)
+        expected = run(backend, "rotated", rq, rk)
+        torch.testing.assert_close(run(backend, "cpu", q, k, pending), expected, atol=0, rtol=0)
+        FusingImpl.received.clear()
+        torch.testing.assert_close(run(FusingBackend, "fused", q, k, pending), expected, atol=0, rtol=0)
+        assert FusingImpl.received == [pending]
+
+    gemma = rope.pending(positions, GemmaRMSNorm(32, eps=1e-6), GemmaRMSNorm(32, eps=1e-6))
+    assert not gemma.fusable
+    FusingImpl.received.clear()
+    run(FusingBackend, "gemma", q, k, gemma)
+    run(FusingBackend, "profiling", q, k, rope.pending(positions), meta=None)
+    assert FusingImpl.received == [None, None]
+
+
 def test_sdpa_without_enable_gqa(monkeypatch):
     """On torch < 2.5 (no ``enable_gqa``) K/V are repeated per query head instead."""
     monkeypatch.setattr(cpu_attention, "_SDPA_HAS_GQA", False)

@@ -252,3 +252,39 @@ def test_decode_attention_keeps_two_tiles_of_copies_in_flight(fp8, ids_ahead):
     assert 2 in waits, waits
     if fp8:
         assert set(re.findall(r"mma\.sync\.aligned\.\S+", ptx)) == {"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"}
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["cache16", "fp8"])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotary_kernel_writes_the_kv_cache(fp8, qk_norm):
+    """The rotary kernel with the K/V write (``WRITE_KV``) compiles for sm_90, Qwen3-0.6B's heads
+    (16 + 8, head size 128): a branch on the slot stores the key and the value into the cache
+    (float8 with ``FP8_KV``, through the division write_kv_fp8 compiles to) and the query is rotated
+    either way."""
+    from pagedlm.backends.cuda.kernels.layer_ops import _rotary_kernel
+
+    cache = "*fp8e4nv" if fp8 else "*bf16"
+    signature = {"pos_ptr": "*i64", "cos_sin_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*bf16", "q_out_ptr": "*bf16",
+                 "k_out_ptr": cache, "stride_q": "i32", "stride_k": "i32", "num_q_heads": "i32",
+                 "num_k_heads": "i32", "q_w_ptr": "*bf16", "k_w_ptr": "*bf16", "eps": "fp32", "v_ptr": "*bf16",
+                 "stride_v": "i32", "v_out_ptr": cache, "slot_ptr": "*i64", "num_slots": "i32",
+                 "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    constexprs = {"HEAD_SIZE": 128, "ROT_DIM": 128, "HEADS_PAD": 16, "HALF_PAD": 64, "PASS_PAD": 0, "NEOX": True,
+                  "HAS_KEY": True, "QK_NORM": qk_norm, "WRITE_KV": True, "FP8_KV": fp8, "HEAD_PAD": 128,
+                  "USE_PDL": True}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    ptx = _compile_for_sm90(_rotary_kernel, signature, constexprs).asm["ptx"]
+    assert "griddepcontrol.wait" in ptx
+    assert len(re.findall(r"st\.global", ptx)) >= 3  # the query, the key, the value
+    if fp8:  # the same float32 division instruction as write_kv_fp8's, so the same bytes
+        from pagedlm.backends.cuda.kernels.kv_cache_fp8 import _write_kv_fp8_kernel
+
+        sig = {"key_ptr": "*bf16", "value_ptr": "*bf16", "key_cache_ptr": cache, "value_cache_ptr": cache,
+               "slot_mapping_ptr": "*i64", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "stride_kt": "i32",
+               "stride_kh": "i32", "stride_vt": "i32", "stride_vh": "i32"}
+        cx = {"NUM_KV_HEADS": 8, "HEAD_SIZE": 128, "HEADS_PAD": 8, "HEAD_PAD": 128, "FMAX": 448.0, "USE_PDL": True}
+        sig.update(dict.fromkeys(cx, "constexpr"))
+        reference = _compile_for_sm90(_write_kv_fp8_kernel, sig, cx).asm["ptx"]
+        divisions = set(re.findall(r"\bdiv\.[a-z.]*f32", reference))
+        assert divisions and divisions <= set(re.findall(r"\bdiv\.[a-z.]*f32", ptx))
+        assert "e4m3x2" in ptx

@@ -5,7 +5,9 @@ so the reference backend can check these kernels on identical caches. One step i
 per layer (three with split-KV, unless ``PAGEDLM_CUDA_SPLIT_KV_MERGE=kernel`` merges the split
 partials in the attention launch): the KV write through ``slot_mapping``, then one attention
 kernel over the whole flat batch (prefill chunks, prefix-cached prompts and decodes together);
-see :mod:`pagedlm.backends.cuda.kernels.paged_attention`.
+see :mod:`pagedlm.backends.cuda.kernels.paged_attention`. Given the layer's rotary unapplied
+(``fuses_rotary``), the KV write is the rotary kernel's: it rotates the query and key and
+stores the rotated key and the value, so the model's rotary launch and the key it wrote are gone.
 
 Also usable on the CPU under ``TRITON_INTERPRET=1`` (Triton's interpreter), which is how the
 kernels are tested without a GPU.
@@ -14,11 +16,14 @@ kernels are tested without a GPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
 
 from pagedlm.backends.cuda.kernels.kv_cache_fp8 import write_kv_fp8
+from pagedlm.backends.cuda.kernels.layer_ops import rotary_embedding_write_kv
 from pagedlm.backends.cuda.kernels.paged_attention import (
     INTERPRET,
     choose_num_splits,
@@ -33,6 +38,7 @@ from pagedlm.core.attention import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+from pagedlm.core.layers.rotary import PendingRotary
 
 __all__ = [
     "TritonAttentionBackend",
@@ -139,11 +145,27 @@ def _span_end(common: CommonAttentionMetadata) -> torch.Tensor | None:
     return span_end.to(common.query_start_loc.device, non_blocking=True)
 
 
+@functools.cache
+def rotary_fused_with_kv_write() -> bool:
+    """``PAGEDLM_CUDA_FUSED_ROTARY``: ``1`` (default) lets the impl take the model's rotary and
+    apply it in the K/V write's kernel; ``0`` keeps the separate rotary launch (for A/B runs)."""
+    value = os.environ.get("PAGEDLM_CUDA_FUSED_ROTARY", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"PAGEDLM_CUDA_FUSED_ROTARY={value!r}: allowed values are 1 (the rotary in the K/V "
+                         "write's kernel) and 0 (a separate rotary launch)")
+    return value == "1"
+
+
 class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
     """KV write + unified paged attention; GQA, causal, sliding window, logits soft cap."""
 
     #: launch-parameter overrides (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``), for tuning
     kernel_config: dict[str, int] | None = None
+    @property
+    def fuses_rotary(self) -> bool:  # type: ignore[override]
+        """The rotary embedding runs in the K/V write's kernel (``forward(rotary=)``) unless
+        ``PAGEDLM_CUDA_FUSED_ROTARY=0``."""
+        return rotary_fused_with_kv_write()
 
     def __init__(
         self,
@@ -171,6 +193,7 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: TritonAttentionMetadata | None,
+        rotary: PendingRotary | None = None,
     ) -> torch.Tensor:
         """Write K/V, then attend.
 
@@ -179,6 +202,9 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             key, value: ``[T', num_kv_heads, head_size]``
             kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_size]`` contiguous
             metadata: this step's metadata; ``None`` in a profiling run (no cache yet: zeros out)
+            rotary: if given, ``query`` and ``key`` are not rotated yet: one kernel rotates both
+                and writes the rotated key and the value into the cache
+                (``layer_ops.rotary_embedding_write_kv``)
         Returns:
             ``[T', num_heads, head_size]`` in ``query``'s dtype
         """
@@ -192,9 +218,18 @@ class TritonAttentionImpl(AttentionImpl[TritonAttentionMetadata]):
             return out
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         fp8 = self.kv_cache_dtype != "auto"
-        write = write_kv_fp8 if fp8 else write_kv_cache
-        write(key[:num_tokens], value[:num_tokens], key_cache, value_cache, metadata.slot_mapping[:num_tokens],
-              *((self.k_scale, self.v_scale) if fp8 else ()))
+        slots = metadata.slot_mapping[:num_tokens]
+        if rotary is not None:
+            r = rotary.rotary
+            query = rotary_embedding_write_kv(
+                rotary.positions, query.flatten(1), key.flatten(1), value.flatten(1), r.cos_sin_cache, r.head_size,
+                r.rotary_dim, r.is_neox_style, key_cache, value_cache, slots, qk_norm_weights=rotary.qk_norm_weights,
+                eps=rotary.eps, kv_scales=(self.k_scale, self.v_scale) if fp8 else None,
+            ).view(query.shape)
+        else:
+            write = write_kv_fp8 if fp8 else write_kv_cache
+            write(key[:num_tokens], value[:num_tokens], key_cache, value_cache, slots,
+                  *((self.k_scale, self.v_scale) if fp8 else ()))
         paged_attention(
             out, query, key_cache, value_cache,
             block_table=metadata.block_table, seq_lens=metadata.seq_lens,

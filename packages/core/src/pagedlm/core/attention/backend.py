@@ -105,6 +105,12 @@ class AttentionImpl(ABC, Generic[M]):
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
 
+    #: whether :meth:`forward` takes ``rotary=`` (a fusable
+    #: :class:`~pagedlm.core.layers.rotary.PendingRotary`, with unrotated ``query``/``key``) and
+    #: applies it while writing K/V; the ``Attention`` layer passes one only then, and only with
+    #: metadata (never in the profiling run)
+    fuses_rotary: bool = False
+
     @abstractmethod
     def forward(
         self,

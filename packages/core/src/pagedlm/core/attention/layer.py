@@ -7,6 +7,7 @@ from torch import nn
 
 from pagedlm.core.distributed.kv_transfer.worker_step import get_active_kv_connector
 from pagedlm.core.forward_context import get_build_context, get_forward_context
+from pagedlm.core.layers.rotary import PendingRotary
 
 
 def _kv_scale_param() -> nn.Parameter:
@@ -78,11 +79,20 @@ class Attention(nn.Module):
             raise ValueError(f"two attention layers share the prefix {prefix!r}")
         ctx.attention_layers[prefix] = self
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                rotary: PendingRotary | None = None) -> torch.Tensor:
+        """With ``rotary``, ``query`` and ``key`` are not rotated yet: a backend that
+        ``fuses_rotary`` rotates them while writing K/V, else the rotary is applied here first."""
         num_tokens = query.shape[0]
         metadata = get_forward_context().attn_metadata
         if type(metadata) is list:  # one metadata per KV-cache group
             metadata = metadata[self.kv_cache_group_id]
+        fused = {}
+        if rotary is not None:
+            if metadata is not None and self.impl.fuses_rotary and rotary.fusable:
+                fused = {"rotary": rotary}
+            else:
+                query, key = rotary.apply(query, key)
         connector = get_active_kv_connector()
         if connector is not None:  # KV transfer (kv_transfer_config): layer-by-layer loads
             connector.wait_for_layer_load(self.layer_name)
@@ -92,6 +102,7 @@ class Attention(nn.Module):
             value.view(num_tokens, self.num_kv_heads, self.head_size),
             self.kv_cache,
             metadata,
+            **fused,
         )
         if connector is not None:
             connector.save_kv_layer(self.layer_name, self.kv_cache, metadata)

@@ -16,16 +16,16 @@ sees identical values), and indexed by position in :meth:`RotaryEmbedding.forwar
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from pagedlm.core.layers.custom_ops import bound_op
-from pagedlm.core.layers.layernorm import GemmaRMSNorm
+from pagedlm.core.layers.layernorm import GemmaRMSNorm, RMSNorm
 from pagedlm.core.platforms.interface import HOST
 
-__all__ = ["RotaryEmbedding", "get_rope", "rope_parameters", "rotary_reference"]
+__all__ = ["PendingRotary", "RotaryEmbedding", "get_rope", "rope_parameters", "rotary_reference"]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int, rotary_dim: int,
@@ -142,11 +142,64 @@ class RotaryEmbedding(nn.Module):
         assert k is not None
         return q, k
 
+    def pending(self, positions: torch.Tensor, q_norm: nn.Module | None = None,
+                k_norm: nn.Module | None = None) -> PendingRotary:
+        """This rotary for ``positions`` (after the per-head ``q_norm``/``k_norm``), to pass to
+        ``Attention.forward(..., rotary=)`` instead of applying it here."""
+        return PendingRotary(self, positions, q_norm, k_norm)
+
     def extra_repr(self) -> str:
         return (
             f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, max_position={self.max_position}, "
             f"neox={self.is_neox_style}, attention_scaling={self.attention_scaling}"
         )
+
+
+class PendingRotary(NamedTuple):
+    """A rotary embedding bound to one step's positions (and Qwen3's per-head q/k norms), given to
+    :class:`~pagedlm.core.attention.layer.Attention` unapplied: a backend whose impl declares
+    ``fuses_rotary`` rotates the query and key and writes the key and value into its KV cache in
+    one kernel (the rotated key is never materialised); otherwise the layer calls :meth:`apply`.
+
+    ``attn(q, k, v, rotary=self.rotary_emb.pending(positions))`` is what
+    ``q, k = self.rotary_emb(positions, q, k); attn(q, k, v)`` computes."""
+
+    rotary: RotaryEmbedding
+    positions: torch.Tensor
+    q_norm: nn.Module | None = None
+    k_norm: nn.Module | None = None
+
+    def apply(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unfused path: ``(query, key)`` normalised (with q/k norms) and rotated."""
+        if self.q_norm is None:
+            q, k = self.rotary(self.positions, query, key)
+            assert k is not None
+            return q, k
+        return self.rotary.forward_qk_norm(self.positions, query, key, self.q_norm, self.k_norm)
+
+    @property
+    def fusable(self) -> bool:
+        """Whether a backend's fused kernel computes :meth:`apply` exactly: the plain rotary of
+        this module (no subclass), with no q/k norm or with two ``RMSNorm`` of one ``eps``
+        (Gemma's norms round differently)."""
+        if type(self.rotary) is not RotaryEmbedding:
+            return False
+        if self.q_norm is None:
+            return self.k_norm is None
+        return (type(self.q_norm) is RMSNorm and type(self.k_norm) is RMSNorm
+                and self.q_norm.variance_epsilon == self.k_norm.variance_epsilon)
+
+    @property
+    def qk_norm_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(q_norm.weight, k_norm.weight)`` (``[head_size]``), or None without q/k norms."""
+        if self.q_norm is None or self.k_norm is None:
+            return None
+        return self.q_norm.weight, self.k_norm.weight
+
+    @property
+    def eps(self) -> float:
+        """The q/k norms' epsilon (0.0 without them)."""
+        return float(self.q_norm.variance_epsilon) if self.q_norm is not None else 0.0
 
 
 # -- reading the config ----------------------------------------------------------------------------

@@ -67,8 +67,8 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        # the rotary goes to the attention unapplied: a backend may fuse it with the K/V write
+        return self.o_proj(self.attn(q, k, v, rotary=self.rotary_emb.pending(positions)))
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):

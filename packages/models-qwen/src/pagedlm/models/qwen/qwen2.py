@@ -29,6 +29,7 @@ from pagedlm.core.layers import (
     set_attention_heads,
 )
 from pagedlm.core.layers.quantization import QuantizationConfig
+from pagedlm.core.layers.rotary import PendingRotary
 
 __all__ = ["Qwen2Attention", "Qwen2ForCausalLM", "Qwen2Model"]
 
@@ -52,7 +53,7 @@ def layer_sliding_window(config: Any, layer_idx: int) -> int | None:
 class Qwen2Attention(nn.Module):
     """``hidden [T, hidden] -> [T, hidden]``: qkv projection, rotary, paged attention, o_proj.
 
-    Subclasses change the biases and may normalise q/k in :meth:`_position_qk`.
+    Subclasses change the biases and may normalise q/k in :meth:`_rotary`.
     """
 
     #: forward hands hidden_states to qkv_proj untouched, so the input norm may quantize it
@@ -84,15 +85,15 @@ class Qwen2Attention(nn.Module):
             prefix=maybe_prefix(prefix, "attn"), sliding_window=sliding_window,
         )
 
-    def _position_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``q [T, H * D]``, ``k [T, Hkv * D]`` -> rotated ``(q, k)``."""
-        return self.rotary_emb(positions, q, k)
+    def _rotary(self, positions: torch.Tensor) -> PendingRotary:
+        """The rotary of ``q [T, H * D]`` and ``k [T, Hkv * D]``, handed to the attention
+        unapplied (a backend may fuse it with the K/V write)."""
+        return self.rotary_emb.pending(positions)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self._position_qk(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, rotary=self._rotary(positions)))
 
 
 class Qwen2DecoderLayer(PreNormDecoderLayer):

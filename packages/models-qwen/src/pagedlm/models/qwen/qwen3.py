@@ -13,6 +13,7 @@ import torch
 
 from pagedlm.core.layers import RMSNorm
 from pagedlm.core.layers.quantization import QuantizationConfig
+from pagedlm.core.layers.rotary import PendingRotary
 from pagedlm.models.qwen.qwen2 import Qwen2Attention, Qwen2ForCausalLM
 
 __all__ = ["Qwen3Attention", "Qwen3ForCausalLM"]
@@ -31,10 +32,10 @@ class Qwen3Attention(Qwen2Attention):
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def _position_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _rotary(self, positions: torch.Tensor) -> PendingRotary:
         """Normalise each ``D``-sized head of ``q [T, H * D]`` and ``k [T, Hkv * D]``, then rotate
-        (one kernel where the platform has it)."""
-        return self.rotary_emb.forward_qk_norm(positions, q, k, self.q_norm, self.k_norm)
+        (one kernel where the platform has it; with the K/V write where the backend fuses it)."""
+        return self.rotary_emb.pending(positions, self.q_norm, self.k_norm)
 
 
 class Qwen3ForCausalLM(Qwen2ForCausalLM):

@@ -19,12 +19,16 @@ import triton.language as tl
 
 from pagedlm.backends.cuda.kernels.launch import launch, pdl_options, pdl_wait
 
+#: float8_e4m3fn's largest value, the clamp of an FP8 KV cache (as kv_cache_fp8.FP8_MAX)
+_FP8_MAX = tl.constexpr(float(torch.finfo(torch.float8_e4m3fn).max))
+
 __all__ = [
     "fused_add_rms_norm",
     "norm_launch_shape",
     "qk_norm_rotary_embedding",
     "rms_norm",
     "rotary_embedding",
+    "rotary_embedding_write_kv",
     "silu_and_mul",
 ]
 
@@ -109,9 +113,9 @@ def fused_add_rms_norm(
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, out_ptr, row_in, row_out, cos, sin, heads, w_ptr, eps,
+    x_ptr, out_ptr, row_in, row_out, cos, sin, heads, w_ptr, eps, scale_ptr,
     HEAD_SIZE: tl.constexpr, ROT_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
-    PASS_PAD: tl.constexpr, NEOX: tl.constexpr, QK_NORM: tl.constexpr,
+    PASS_PAD: tl.constexpr, NEOX: tl.constexpr, QK_NORM: tl.constexpr, FP8_OUT: tl.constexpr,
 ):
     h = tl.arange(0, HEADS_PAD)[:, None]
     i = tl.arange(0, HALF_PAD)[None, :]
@@ -124,7 +128,7 @@ def _rotate_heads(
         second = first + 1
     x1 = tl.load(x_ptr + row_in + first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + row_in + second, mask=mask, other=0.0).to(tl.float32)
-    dt = out_ptr.dtype.element_ty
+    dt = x_ptr.dtype.element_ty
     if PASS_PAD > 0:
         j = tl.arange(0, PASS_PAD)[None, :]
         pmask = (h < heads) & (j < HEAD_SIZE - ROT_DIM)
@@ -148,36 +152,92 @@ def _rotate_heads(
     # torch computes x1*cos - x2*sin in the activation dtype: round each product, then the sum
     o1 = ((x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)).to(dt)
     o2 = ((x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)).to(dt)
-    tl.store(out_ptr + row_out + first, o1, mask=mask)
-    tl.store(out_ptr + row_out + second, o2, mask=mask)
+    if FP8_OUT:  # into an FP8 KV cache: write_kv_fp8's numerics on the rotated values
+        s = tl.load(scale_ptr)
+        o1 = _fp8_cache_value(o1, s)
+        o2 = _fp8_cache_value(o2, s)
+        if PASS_PAD > 0:
+            xp = _fp8_cache_value(xp, s)
+    tl.store(out_ptr + row_out + first, o1.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row_out + second, o2.to(out_ptr.dtype.element_ty), mask=mask)
     if PASS_PAD > 0:  # features past rotary_dim pass through
-        tl.store(out_ptr + row_out + rest, xp, mask=pmask)
+        tl.store(out_ptr + row_out + rest, xp.to(out_ptr.dtype.element_ty), mask=pmask)
+
+
+@triton.jit
+def _fp8_cache_value(x, scale):
+    x = x.to(tl.float32) / scale
+    return tl.minimum(tl.maximum(x, -_FP8_MAX), _FP8_MAX)
 
 
 @triton.jit
 def _rotary_kernel(
     pos_ptr, cos_sin_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, stride_q, stride_k, num_q_heads, num_k_heads,
-    q_w_ptr, k_w_ptr, eps,
+    q_w_ptr, k_w_ptr, eps, v_ptr, stride_v, v_out_ptr, slot_ptr, num_slots, k_scale_ptr, v_scale_ptr,
     HEAD_SIZE: tl.constexpr, ROT_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
     PASS_PAD: tl.constexpr, NEOX: tl.constexpr, HAS_KEY: tl.constexpr, QK_NORM: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    WRITE_KV: tl.constexpr, FP8_KV: tl.constexpr, HEAD_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One token per program: rotate all its query heads and key heads (after a per-head
-    RMSNorm with ``QK_NORM``)."""
+    RMSNorm with ``QK_NORM``). With ``WRITE_KV`` the rotated key and the value go straight into
+    the cache slot of ``slot_ptr`` (as :func:`.paged_attention.write_kv_cache`, or
+    :func:`.kv_cache_fp8.write_kv_fp8` with ``FP8_KV``) and nothing else is written for them;
+    tokens past ``num_slots`` or at a negative slot store no key or value."""
     pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     i = tl.arange(0, HALF_PAD)[None, :]
     cmask = i < ROT_DIM // 2
-    dt = q_out_ptr.dtype.element_ty
+    dt = q_ptr.dtype.element_ty
     # the cos/sin table is float32; torch casts the gathered rows to the activation dtype first
     cos = tl.load(cos_sin_ptr + pos * ROT_DIM + i, mask=cmask, other=0.0).to(dt).to(tl.float32)
     sin = tl.load(cos_sin_ptr + pos * ROT_DIM + ROT_DIM // 2 + i, mask=cmask, other=0.0).to(dt).to(tl.float32)
     _rotate_heads(q_ptr, q_out_ptr, token * stride_q, token * num_q_heads * HEAD_SIZE, cos, sin, num_q_heads,
-                  q_w_ptr, eps, HEAD_SIZE, ROT_DIM, HEADS_PAD, HALF_PAD, PASS_PAD, NEOX, QK_NORM)
-    if HAS_KEY:
+                  q_w_ptr, eps, k_scale_ptr, HEAD_SIZE, ROT_DIM, HEADS_PAD, HALF_PAD, PASS_PAD, NEOX, QK_NORM, False)
+    if WRITE_KV:
+        slot = tl.load(slot_ptr + token, mask=token < num_slots, other=-1).to(tl.int64)
+        if slot >= 0:
+            row_kv = slot * num_k_heads * HEAD_SIZE
+            _rotate_heads(k_ptr, k_out_ptr, token * stride_k, row_kv, cos, sin, num_k_heads, k_w_ptr, eps,
+                          k_scale_ptr, HEAD_SIZE, ROT_DIM, HEADS_PAD, HALF_PAD, PASS_PAD, NEOX, QK_NORM, FP8_KV)
+            h = tl.arange(0, HEADS_PAD)[:, None]
+            d = tl.arange(0, HEAD_PAD)[None, :]
+            vmask = (h < num_k_heads) & (d < HEAD_SIZE)
+            v = tl.load(v_ptr + token * stride_v + h * HEAD_SIZE + d, mask=vmask)
+            if FP8_KV:
+                v = _fp8_cache_value(v, tl.load(v_scale_ptr))
+            tl.store(v_out_ptr + row_kv + h * HEAD_SIZE + d, v.to(v_out_ptr.dtype.element_ty), mask=vmask)
+    elif HAS_KEY:
         _rotate_heads(k_ptr, k_out_ptr, token * stride_k, token * num_k_heads * HEAD_SIZE, cos, sin, num_k_heads,
-                      k_w_ptr, eps, HEAD_SIZE, ROT_DIM, HEADS_PAD, HALF_PAD, PASS_PAD, NEOX, QK_NORM)
+                      k_w_ptr, eps, k_scale_ptr, HEAD_SIZE, ROT_DIM, HEADS_PAD, HALF_PAD, PASS_PAD, NEOX, QK_NORM,
+                      False)
+
+
+def _launch_rotary(positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox_style, qk_norm_weights,
+                   eps, q_out, k_out, kv_write=None):
+    num_q = query.shape[1] // head_size
+    num_k = key.shape[1] // head_size if key is not None else 0
+    assert query.stride(-1) == 1 and (key is None or key.stride(-1) == 1)
+    cache = cos_sin_cache if cos_sin_cache.dtype == torch.float32 else cos_sin_cache.float()
+    norm_weights = qk_norm_weights if qk_norm_weights is not None else (query, query)
+    value, value_out, slots, k_scale, v_scale = kv_write if kv_write is not None else (query, query, positions,
+                                                                                       None, None)
+    if value.stride(-1) != 1:
+        raise ValueError("the value's last dimension must be contiguous")
+    launch(
+        _rotary_kernel, (query.shape[0],),
+        positions.reshape(-1), cache.contiguous(), query, key if key is not None else query, q_out,
+        k_out if k_out is not None else q_out, query.stride(0), key.stride(0) if key is not None else 0,
+        num_q, num_k, norm_weights[0], norm_weights[1], float(eps),
+        value, value.stride(0), value_out, slots, slots.shape[0],
+        k_scale if k_scale is not None else cache, v_scale if v_scale is not None else cache,
+        HEAD_SIZE=head_size, ROT_DIM=rotary_dim, HEADS_PAD=triton.next_power_of_2(max(num_q, num_k)),
+        HALF_PAD=triton.next_power_of_2(max(1, rotary_dim // 2)),
+        PASS_PAD=triton.next_power_of_2(head_size - rotary_dim) if head_size > rotary_dim else 0,
+        NEOX=is_neox_style, HAS_KEY=key is not None, QK_NORM=qk_norm_weights is not None,
+        WRITE_KV=kv_write is not None, FP8_KV=k_scale is not None, HEAD_PAD=max(16, triton.next_power_of_2(head_size)),
+        num_warps=4, **pdl_options(query.device),
+    )
 
 
 def rotary_embedding(
@@ -202,29 +262,49 @@ def rotary_embedding(
     Returns:
         new contiguous ``(query, key)`` of the same shapes
     """
-    num_tokens = query.shape[0]
-    positions = positions.reshape(-1)
     q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device) if key is not None else None
-    if num_tokens == 0:
-        return q_out, k_out
-    num_q = query.shape[1] // head_size
-    num_k = key.shape[1] // head_size if key is not None else 0
-    assert query.stride(-1) == 1 and (key is None or key.stride(-1) == 1)
-    cache = cos_sin_cache if cos_sin_cache.dtype == torch.float32 else cos_sin_cache.float()
-    norm_weights = qk_norm_weights if qk_norm_weights is not None else (query, query)
-    launch(
-        _rotary_kernel, (num_tokens,),
-        positions, cache.contiguous(), query, key if key is not None else query, q_out,
-        k_out if k_out is not None else q_out, query.stride(0), key.stride(0) if key is not None else 0,
-        num_q, num_k, norm_weights[0], norm_weights[1], float(eps),
-        HEAD_SIZE=head_size, ROT_DIM=rotary_dim, HEADS_PAD=triton.next_power_of_2(max(num_q, num_k)),
-        HALF_PAD=triton.next_power_of_2(max(1, rotary_dim // 2)),
-        PASS_PAD=triton.next_power_of_2(head_size - rotary_dim) if head_size > rotary_dim else 0,
-        NEOX=is_neox_style, HAS_KEY=key is not None, QK_NORM=qk_norm_weights is not None, num_warps=4,
-        **pdl_options(query.device),
-    )
+    if query.shape[0]:
+        _launch_rotary(positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox_style, qk_norm_weights,
+                       eps, q_out, k_out)
     return q_out, k_out
+
+
+def rotary_embedding_write_kv(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    rotary_dim: int,
+    is_neox_style: bool,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    qk_norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    eps: float = 0.0,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """:func:`rotary_embedding`, then the K/V-cache write of the rotated key and the value, in one
+    launch: the rotated key is never materialised.
+
+    Args:
+        query: ``[T, Hq * D]``; key, value: ``[T, Hk * D]`` (row strides free, last dim contiguous)
+        key_cache, value_cache: ``[num_blocks, block_size, Hk, D]`` contiguous (slot ``s`` at
+            ``s * Hk * D``), in the model dtype, or float8_e4m3fn with ``kv_scales`` (``k_scale``,
+            ``v_scale``: ``[1]`` float32; stored = value / scale clamped to +-448)
+        slot_mapping: ``[T0]`` int64, ``T0 <= T``: the cache slot of each of the first ``T0``
+            tokens; negative slots and later tokens store nothing
+    Returns:
+        the rotated query, a new contiguous ``[T, Hq * D]`` tensor
+    """
+    assert key_cache.is_contiguous() and value_cache.is_contiguous()
+    q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if query.shape[0]:
+        _launch_rotary(positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox_style, qk_norm_weights,
+                       eps, q_out, key_cache, kv_write=(value, value_cache, slot_mapping, *(kv_scales or (None, None))))
+    return q_out
 
 
 def qk_norm_rotary_embedding(
