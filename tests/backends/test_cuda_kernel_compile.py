@@ -288,3 +288,20 @@ def test_rotary_kernel_writes_the_kv_cache(fp8, qk_norm):
         divisions = set(re.findall(r"\bdiv\.[a-z.]*f32", reference))
         assert divisions and divisions <= set(re.findall(r"\bdiv\.[a-z.]*f32", ptx))
         assert "e4m3x2" in ptx
+
+
+@pytest.mark.parametrize("has_residual", [False, True])
+def test_rms_norm_reads_its_weight_before_the_pdl_wait(has_residual):
+    """The RMSNorm kernel under PDL loads its (constant) weight before ``griddepcontrol.wait``, so
+    that load overlaps the previous kernel's tail, and reads the activations only after it."""
+    from pagedlm.backends.cuda.kernels.layer_ops import _rms_norm_kernel
+
+    signature = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16",
+                 "inner": "i32", "stride_x0": "i32", "stride_x1": "i32", "stride_r": "i32", "eps": "fp32"}
+    constexprs = {"N": 4096, "BLOCK": 4096, "HAS_RESIDUAL": has_residual, "USE_PDL": True}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    ptx = _compile_for_sm90(_rms_norm_kernel, signature, constexprs, num_warps=8).asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    loads = [m.start() for m in re.finditer(r"ld\.global", ptx)]
+    assert loads[0] < wait  # the weight
+    assert any(at > wait for at in loads)  # the activations (and the residual)

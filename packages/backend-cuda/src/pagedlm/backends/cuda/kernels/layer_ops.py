@@ -41,10 +41,12 @@ def _rms_norm_kernel(
     """One row per program. Row ``r`` of ``x`` is at ``(r // inner) * stride_x0 + (r % inner) *
     stride_x1`` (so a ``[T, H, D]`` view of a fused projection needs no copy); outputs are
     contiguous ``[rows, N]``."""
-    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
+    # the weight is constant: read before the wait, its latency overlaps the previous kernel's tail
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_wait(USE_PDL)
     x_off = (row // inner) * stride_x0 + (row % inner) * stride_x1
     x = tl.load(x_ptr + x_off + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
@@ -54,7 +56,6 @@ def _rms_norm_kernel(
     h = x.to(tl.float32)
     var = tl.sum(h * h, 0) / N
     normed = (h * tl.math.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * N + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
