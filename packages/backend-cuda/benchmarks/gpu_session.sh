@@ -10,11 +10,14 @@
 # the cache itself). For stages in another order, run the script once per group with its own
 # OUT (OUT=/tmp/out/first STAGES=install,nano ...; OUT=/tmp/out/then STAGES=init-spy ...).
 #
-# Needs the wheels in .whl/ on a machine without a package index (6 MB; the versions CI's
+# Needs the wheels in .whl/ on a machine without a package index (9 MB; the versions CI's
 # constraints resolved on 2026-12-07, fetched for Python 3.12 by ../shared/tools/device-wheels):
 #   hatchling==1.33.0 pathspec==1.1.1 trove-classifiers==2026.9.21.13 editables==0.5 pyzmq==27.3.0
 #   msgspec==0.23.0 compressed-tensors==0.20.1 gguf==0.19.0 xgrammar==0.2.9
 #   apache-tvm-ffi==0.1.15.post2 loguru==0.8.0
+#   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+# (xgrammar's structural tags import pydantic, which the machine's image lacks: without it
+# test_cuda_e2e.py::test_structured_outputs_async_sample_after_forward fails, as on 2026-12-07.)
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/pagedlm-gpu-out}

@@ -43,7 +43,8 @@ Tiles = tuple[int, int, int, int, int, int, int]
 #: for ``torch._scaled_mm``: the first entry whose bound is at least M applies, and M above every
 #: bound takes ``torch._scaled_mm`` too. ``MAX_SPLIT`` caps the split along K (:func:`split_k`).
 #: ``bench_quant.py --sweep-fp8 --apply`` rewrites it (this table: its run on an H100, 2026-12-07,
-#: before splits existed).
+#: before splits existed; the split tiles' sweep at 256 rows on an H200 the same day found none
+#: faster than cuBLASLt, so 256 rows keep it).
 ROWWISE_TILES: dict[int, Tiles | None] = {
     16: (64, 64, 128, 8, 4, 5, 1),
     64: (64, 32, 128, 8, 4, 5, 1),
