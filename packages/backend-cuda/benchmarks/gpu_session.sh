@@ -113,6 +113,14 @@ if has targets; then  # the open targets (TARGETS=w4a16,fp8,... ; AB=KEY=VALUE a
   stage targets 540 python3 packages/backend-cuda/benchmarks/gpu_targets.py --out "$OUT/targets" \
     --only "${TARGETS:-w4a16,fp8}" ${AB:+--ab "$AB"}
 fi
+if has gemma; then  # the real Gemma 3 270M GGUF, carried to /tmp/parts by ../shared/tools/carry-parts' calls
+  if ls /tmp/parts/part.* >/dev/null 2>&1; then
+    (cd /tmp/parts && cat part.* > gemma-3-270m-q4_k_m.gguf && sha256sum -c SHA256SUM && rm part.*)
+  fi
+  # a fresh machine compiles every kernel first: 100 s was too little on 2026-12-07
+  TAIL=6 stage gemma 240 env PAGEDLM_GEMMA3_GGUF=/tmp/parts/gemma-3-270m-q4_k_m.gguf \
+    python3 -m pytest -q -p no:cacheprovider -rf tests/cuda/test_gemma3_270m_cuda.py
+fi
 if has gemv-bench; then  # the decode GEMV's sweep against cuBLAS (GEMV_ARGS="" for the full sweep)
   stage gemv-bench 540 python3 packages/backend-cuda/benchmarks/bench_dense_gemv.py ${GEMV_ARGS---quick} \
     --output-json "$OUT/gemv.json"
