@@ -215,28 +215,30 @@ def _rotary_kernel(
 
 
 def _launch_rotary(positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox_style, qk_norm_weights,
-                   eps, q_out, k_out, kv_write=None):
+                   eps, q_out, k_out, value=None, value_cache=None, slot_mapping=None, kv_scales=None):
+    """One launch of :func:`_rotary_kernel`; with ``value`` (and its cache and slots) ``k_out`` is
+    the key cache and the kernel writes K/V (``WRITE_KV``). Unused pointers get stand-ins."""
     num_q = query.shape[1] // head_size
     num_k = key.shape[1] // head_size if key is not None else 0
     assert query.stride(-1) == 1 and (key is None or key.stride(-1) == 1)
+    assert value is None or value.stride(-1) == 1
     cache = cos_sin_cache if cos_sin_cache.dtype == torch.float32 else cos_sin_cache.float()
     norm_weights = qk_norm_weights if qk_norm_weights is not None else (query, query)
-    value, value_out, slots, k_scale, v_scale = kv_write if kv_write is not None else (query, query, positions,
-                                                                                       None, None)
-    if value.stride(-1) != 1:
-        raise ValueError("the value's last dimension must be contiguous")
+    write_kv = value is not None
+    slots = slot_mapping if write_kv else positions
+    k_scale, v_scale = kv_scales if kv_scales is not None else (cache, cache)
     launch(
         _rotary_kernel, (query.shape[0],),
         positions.reshape(-1), cache.contiguous(), query, key if key is not None else query, q_out,
         k_out if k_out is not None else q_out, query.stride(0), key.stride(0) if key is not None else 0,
         num_q, num_k, norm_weights[0], norm_weights[1], float(eps),
-        value, value.stride(0), value_out, slots, slots.shape[0],
-        k_scale if k_scale is not None else cache, v_scale if v_scale is not None else cache,
+        value if write_kv else query, value.stride(0) if write_kv else 0, value_cache if write_kv else query,
+        slots, slots.shape[0], k_scale, v_scale,
         HEAD_SIZE=head_size, ROT_DIM=rotary_dim, HEADS_PAD=triton.next_power_of_2(max(num_q, num_k)),
         HALF_PAD=triton.next_power_of_2(max(1, rotary_dim // 2)),
         PASS_PAD=triton.next_power_of_2(head_size - rotary_dim) if head_size > rotary_dim else 0,
         NEOX=is_neox_style, HAS_KEY=key is not None, QK_NORM=qk_norm_weights is not None,
-        WRITE_KV=kv_write is not None, FP8_KV=k_scale is not None, HEAD_PAD=max(16, triton.next_power_of_2(head_size)),
+        WRITE_KV=write_kv, FP8_KV=kv_scales is not None, HEAD_PAD=max(16, triton.next_power_of_2(head_size)),
         num_warps=4, **pdl_options(query.device),
     )
 
@@ -304,7 +306,8 @@ def rotary_embedding_write_kv(
     q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.shape[0]:
         _launch_rotary(positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox_style, qk_norm_weights,
-                       eps, q_out, key_cache, kv_write=(value, value_cache, slot_mapping, *(kv_scales or (None, None))))
+                       eps, q_out, key_cache, value=value, value_cache=value_cache, slot_mapping=slot_mapping,
+                       kv_scales=kv_scales)
     return q_out
 
 
