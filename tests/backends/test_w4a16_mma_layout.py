@@ -78,22 +78,9 @@ def _sass(cubin: bytes, tmp_path: Path) -> list[str]:
 @pytest.mark.parametrize("defines", [{}, {"FP16": 1, "HAS_ZEROS": 1},
                                      {"WARPS": 1, "STAGES": 1, "MIN_BLOCKS": 32, "GROUP_KB": 0},
                                      {"WARPS": 8, "STAGES": 4, "MIN_BLOCKS": 4, "PDL": 1},
-                                     {"HAS_ZEROS": 1, "GROUP_KB": 0}, {"GROUP_KB": 1}, {"GROUP_KB": 8, "HAS_ZEROS": 1},
-                                     {"L2_PREFETCH": 64, "PDL": 1}])
+                                     {"HAS_ZEROS": 1, "GROUP_KB": 0}, {"GROUP_KB": 1}, {"GROUP_KB": 8, "HAS_ZEROS": 1}])
 def test_every_variant_compiles(defines):
     assert _cubin(defines)[:4] == b"\x7fELF"
-
-
-def test_the_l2_prefetch_is_one_bulk_request_before_the_pdl_wait(tmp_path):
-    """``L2_PREFETCH``: lane 0 asks for the slice's next blocks with one bulk prefetch (a TMA
-    instruction, UBLKPF in sm_90 SASS), before the wait for the previous kernel (``griddepcontrol.wait``,
-    ACQBULK): the weights do not depend on it, so HBM streams them while that kernel finishes.
-    Without it, no such request."""
-    ops = _sass(_cubin({"L2_PREFETCH": 64, "PDL": 1}), tmp_path)
-    prefetches = [i for i, op in enumerate(ops) if op.startswith("UBLKPF")]
-    assert len(prefetches) == 1
-    assert prefetches[0] < ops.index("ACQBULK")
-    assert not any(op.startswith("UBLKPF") for op in _sass(_cubin({"PDL": 1}), tmp_path))
 
 
 def test_a_block_of_64_values_a_lane_is_one_loop_step(tmp_path):

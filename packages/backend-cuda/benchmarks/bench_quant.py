@@ -26,8 +26,6 @@ won.)
 ``--sweep-mma`` times the tensor-core W4A16 GEMV (``kernels/w4a16_mma.py``) over its grid (warps
 per block, K blocks in flight per warp, warps per SM the grid is sized for) at each shape and row
 count (default 1, 4, 8), beside the Triton GEMV, and sums each setting over the four projections.
-``--sweep-prefetch`` times it at its defaults per depth of its L2 prefetch (K blocks a warp
-requests at its start, ``PAGEDLM_CUDA_W4A16_L2_PREFETCH``).
 
 ``--sweep-fp8`` times the row-wise FP8 GEMM alone at decode-batch row counts (16 to 512):
 ``torch._scaled_mm``, the same with its operands swapped, and the Triton kernel of
@@ -188,40 +186,6 @@ def sweep_mma(dev: torch.device, gen: torch.Generator, rows: list[int]) -> None:
         print(f"  {key}: {t * 1e3:.1f} us")
 
 
-#: K blocks a warp of the tensor-core GEMV requests into L2 at its start (``--sweep-prefetch``)
-PREFETCH_SWEEP = (0, 4, 8, 16, 32, 4096)
-
-
-def sweep_prefetch(dev: torch.device, gen: torch.Generator, rows: list[int]) -> None:
-    """The tensor-core W4A16 GEMV (group 128, symmetric) at its default grid, per Llama-3.1-8B
-    shape and row count, for each L2 prefetch depth of :data:`PREFETCH_SWEEP` (4096: a warp's
-    whole slice), summed over the four projections."""
-    from pagedlm.backends.cuda.kernels.w4a16_mma import mma_repack, w4a16_mma_gemv
-
-    total: dict[str, float] = {}
-    for m in rows:
-        for name, n, k in LLAMA_8B:
-            x = torch.randn(m, k, device=dev, generator=gen, dtype=torch.bfloat16)
-            qw = pack_rows(torch.randint(0, 16, (k, n), device=dev, generator=gen, dtype=torch.int32), 4)
-            s = (torch.rand(k // 128, n, device=dev, generator=gen) * 0.01 + 1e-3).to(torch.bfloat16)
-            ref = wna16_gemm_ref(x.float(), qw, s.float(), None, None, 4, 128)
-            size = nbytes(qw, s)
-            packed = mma_repack(qw)
-            line = [f"M={m} {name} N={n} K={k}:"]
-            for depth in PREFETCH_SWEEP:
-                if rel_err(w4a16_mma_gemv(x, packed, s, None, 128, prefetch=depth), ref) > 2e-2:
-                    line.append(f"prefetch={depth} WRONG")
-                    continue
-                t, _ = time_cycled(lambda w, x=x, s=s, d=depth: w4a16_mma_gemv(x, w, s, None, 128, prefetch=d),
-                                   packed, size)
-                line.append(f"prefetch={depth} {t * 1e3:.1f} us ({size / t / 1e6:.0f} GB/s)")
-                total[f"M={m} prefetch={depth}"] = total.get(f"M={m} prefetch={depth}", 0.0) + t
-            print("  ".join(line), flush=True)
-    print("sum over the four projections (one layer):")
-    for key, t in sorted(total.items(), key=lambda item: item[1]):
-        print(f"  {key}: {t * 1e3:.1f} us")
-
-
 FP8_SWEEP_ROWS = (16, 64, 128, 256, 512)
 
 
@@ -324,8 +288,6 @@ def main() -> int:
     parser.add_argument("--sweep-gemv", action="store_true", help="tune the decode GEMV instead (see above)")
     parser.add_argument("--sweep-mma", action="store_true",
                         help="tune the tensor-core W4A16 GEMV instead (rows default 1,4,8)")
-    parser.add_argument("--sweep-prefetch", action="store_true",
-                        help="time the tensor-core W4A16 GEMV per L2 prefetch depth instead (rows default 1)")
     parser.add_argument("--sweep-fp8", action="store_true",
                         help="tune the row-wise FP8 GEMM's tiles per row count instead (see above)")
     parser.add_argument("--apply", action="store_true", help="with --sweep-fp8: write the table it finds")
@@ -340,9 +302,6 @@ def main() -> int:
         return 0
     if args.sweep_mma:
         sweep_mma(dev, gen, [int(r) for r in (args.rows or "1,4,8").split(",")])
-        return 0
-    if args.sweep_prefetch:
-        sweep_prefetch(dev, gen, [int(r) for r in (args.rows or "1").split(",")])
         return 0
     if args.sweep_fp8:
         sweep_fp8(dev, gen, args.apply, [int(r) for r in args.rows.split(",")] if args.rows else FP8_SWEEP_ROWS,

@@ -168,15 +168,6 @@ w4a16_mma_gemv(const uint4* __restrict__ qw, const u16* __restrict__ scales, con
             if (i < count) cp_async16(&ring[warp][i][lane], wp + i * 32);
             asm volatile("cp.async.commit_group;" ::: "memory");
         }
-#if L2_PREFETCH
-        // the next L2_PREFETCH blocks of the slice (contiguous) into L2 in one bulk request, so
-        // HBM streams the whole layer from the start instead of STAGES blocks a warp at a time;
-        // the ring's copies then wait on L2, not on HBM (sm_90: the TMA unit issues it)
-        if (lane == 0 && count > STAGES) {
-            const u32 bytes = (u32)min(count - STAGES, L2_PREFETCH) * 512u;
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(wp + STAGES * 32), "r"(bytes) : "memory");
-        }
-#endif
         const int group_kb = group_size >> 6;
         const int grp = kb0 / group_kb;
 #if !GROUP_KB
@@ -367,7 +358,7 @@ def _mma_available(device: torch.device) -> bool:
     if os.environ.get("PAGEDLM_CUDA_W4A16_MMA", "1") == "0" or torch.cuda.get_device_capability(device) < (8, 0):
         return False
     try:
-        _kernel(device, False, False, 4, 4, 2, 0)
+        _kernel(device, False, False, 4, 4, 2)
     except Exception as e:  # noqa: BLE001 - no NVRTC, or it cannot compile: the Triton kernels stay
         logger.warning("W4A16 tensor-core GEMV unavailable (%s); using the Triton GEMV", e)
         return False
@@ -379,25 +370,12 @@ WARPS_PER_SM = 32
 
 
 @cache
-def l2_prefetch_blocks(device: torch.device) -> int:
-    """K blocks (512 bytes of a 16-row tile each) a warp requests into L2 at its start, past its
-    ring: ``PAGEDLM_CUDA_W4A16_L2_PREFETCH`` (a count, 0 = none, the default), on sm_90 and later
-    (the bulk prefetch is a Hopper instruction); 0 before."""
-    value = os.environ.get("PAGEDLM_CUDA_W4A16_L2_PREFETCH", "0")
-    if not value.isdigit():
-        raise ValueError(f"PAGEDLM_CUDA_W4A16_L2_PREFETCH={value!r}: expected a number of K blocks (0 = off)")
-    return int(value) if torch.cuda.get_device_capability(device) >= (9, 0) else 0
-
-
-@cache
-def _kernel(device: torch.device, fp16: bool, has_zeros: bool, warps: int, stages: int, group_kb: int,
-            prefetch: int):
+def _kernel(device: torch.device, fp16: bool, has_zeros: bool, warps: int, stages: int, group_kb: int):
     from pagedlm.backends.cuda.nvrtc import Kernel, compile_cubin
 
     major, minor = torch.cuda.get_device_capability(device)
     defines = {"FP16": fp16, "HAS_ZEROS": has_zeros, "WARPS": warps, "STAGES": stages, "GROUP_KB": group_kb,
-               "MIN_BLOCKS": max(1, WARPS_PER_SM // warps), "PDL": pdl_options(device)["USE_PDL"],
-               "L2_PREFETCH": prefetch}
+               "MIN_BLOCKS": max(1, WARPS_PER_SM // warps), "PDL": pdl_options(device)["USE_PDL"]}
     kernel = Kernel(compile_cubin(_SOURCE, "w4a16_mma_gemv", major * 10 + minor, defines), "w4a16_mma_gemv", device)
     kernel.prefer_shared_memory()
     return kernel
@@ -408,7 +386,7 @@ def prepare_mma_kernel(device: torch.device, n: int, k: int, group_size: int, dt
     """Build the kernel variant an ``[*, k] x [k, n]`` product will launch (NVRTC and the module
     load must not run inside a CUDA-graph capture)."""
     _, warps, _, stages, group_kb = mma_config(n, k, group_size, num_sms(device))
-    _kernel(device, dtype == torch.float16, has_zeros, warps, stages, group_kb, l2_prefetch_blocks(device))
+    _kernel(device, dtype == torch.float16, has_zeros, warps, stages, group_kb)
 
 
 def mma_word_and_shift(k: torch.Tensor, n: torch.Tensor, k_total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -478,11 +456,7 @@ def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                    group_size: int, **tuning: int) -> torch.Tensor:
     """``x [M <= 8, K]`` (bf16/fp16) times the mma-layout int4 ``qweight`` (``[K // 8, N]``) with
     ``scales [K // G, N]`` (x's dtype) and ``zeros [K // G, N]`` int32 or None (symmetric: 8):
-    ``[M, N]`` in x's dtype. ``tuning``: :func:`mma_config`'s keywords, and ``prefetch`` (K blocks
-    requested into L2 ahead, see :func:`l2_prefetch_blocks`)."""
-    prefetch = tuning.pop("prefetch", None)
-    if prefetch is None:
-        prefetch = l2_prefetch_blocks(x.device)
+    ``[M, N]`` in x's dtype. ``tuning``: :func:`mma_config`'s keywords."""
     m, k = x.shape
     n = qweight.shape[1]
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
@@ -494,7 +468,7 @@ def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if m == 0:
         return out
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else None
-    kernel = _kernel(x.device, x.dtype == torch.float16, zeros is not None, warps, stages, group_kb, prefetch)
+    kernel = _kernel(x.device, x.dtype == torch.float16, zeros is not None, warps, stages, group_kb)
     kernel((tiles, split, 1), warps * 32, qweight, scales, zeros, x, out, part, counters,
            m, n, k, x.stride(0), out.stride(0), group_size, kb, pdl=pdl_options(x.device)["USE_PDL"])
     if split > 1 and counters is None:
