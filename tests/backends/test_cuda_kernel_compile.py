@@ -198,10 +198,11 @@ def test_wna16_gemm_finds_groups_without_an_integer_division(mma_layout):
     assert not _has_integer_division(ptx)
 
 
-def _compile_decode_attention(fp8: bool, ids_ahead: bool = False, split: bool = False):
+def _compile_decode_attention(fp8: bool, ids_ahead: bool = False, split: bool = False,
+                              config: dict[str, int] | None = None):
     """The decode launch of the paged-attention kernel at Llama-3.1-8B's heads (32 / 8, head 128,
-    block 16), with the launch shape paged_attention takes by default (``split``: split-KV, the
-    partials merged in the kernel)."""
+    block 16), with the launch shape paged_attention takes by default or with ``config``
+    (``split``: split-KV, the partials merged in the kernel)."""
     from pagedlm.backends.cuda.kernels.paged_attention import _paged_attention_kernel, launch_shape
 
     kv = "*fp8e4nv" if fp8 else "*bf16"
@@ -212,7 +213,7 @@ def _compile_decode_attention(fp8: bool, ids_ahead: bool = False, split: bool = 
                  "num_reqs": "i32",
                  "num_heads": "i32", "scale": "fp32", "soft_cap": "fp32", "sliding_window": "i32", "num_splits": "i32",
                  "stride_qt": "i32", "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32"}
-    block_m, block_n, num_warps, num_stages = launch_shape(True, fp8, 4)
+    block_m, block_n, num_warps, num_stages = launch_shape(True, fp8, 4, config)
     constexprs = {"NUM_KV_HEADS": 8, "GROUP": 4, "GROUP_PAD": 4, "HEAD_SIZE": 128, "HEAD_PAD": 128, "BLOCK_SIZE": 16,
                   "BLOCK_Q": 1, "BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_KV": split, "COMBINE": split,
                   "DECODE_ONLY": True,
@@ -243,15 +244,29 @@ def test_split_decode_attention_merges_in_the_kernel(fp8):
 @pytest.mark.parametrize(("fp8", "ids_ahead"), [(True, False), (False, True)], ids=["fp8-decode", "ids-ahead"])
 def test_decode_attention_keeps_two_tiles_of_copies_in_flight(fp8, ids_ahead):
     """The FP8 decode loop (and the common loop with ``IDS_AHEAD``) reads its block ids a tile
-    ahead, so the pipeliner issues each tile's K/V copies two tiles early and waits, at the top of
-    each iteration, with the next tile's two copy groups still in flight (``wait_group 2``). With
-    the ids loaded in the loop it waited for every copy (``wait_group 0``): an iteration then paid
-    a whole memory latency. The FP8 loop's dots are float16 MMAs on the converted tiles."""
-    ptx = _compile_decode_attention(fp8, ids_ahead)
+    ahead, so at 3 stages the pipeliner issues each tile's K/V copies two tiles early and waits, at
+    the top of each iteration, with the next tile's two copy groups still in flight
+    (``wait_group 2``). With the ids loaded in the loop it waited for every copy (``wait_group
+    0``): an iteration then paid a whole memory latency. The FP8 loop's dots are float16 MMAs on
+    the converted tiles. (The FP8 default is now 2 stages: one tile of copies ahead, below.)"""
+    ptx = _compile_decode_attention(fp8, ids_ahead, config={"BLOCK_N": 32, "num_warps": 2, "num_stages": 3}
+                                    if fp8 else None)
     waits = {int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+);", ptx)}
     assert 2 in waits, waits
     if fp8:
         assert set(re.findall(r"mma\.sync\.aligned\.\S+", ptx)) == {"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"}
+
+
+def test_fp8_decode_attention_default_is_one_warp_streaming_its_tiles():
+    """The FP8 decode default (8 rows, 16 keys, 1 warp, 2 stages: the H100's best at 256 x 768,
+    2026-12-07) still copies K/V asynchronously a tile ahead and multiplies on float16 MMAs."""
+    from pagedlm.backends.cuda.kernels.paged_attention import launch_shape
+
+    assert launch_shape(True, True, 4) == (8, 16, 1, 2)
+    ptx = _compile_decode_attention(True)
+    assert "cp.async.cg.shared.global" in ptx or "cp.async.ca.shared.global" in ptx
+    assert re.findall(r"cp\.async\.wait_group\s+(\d+);", ptx)
+    assert set(re.findall(r"mma\.sync\.aligned\.\S+", ptx)) == {"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"}
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["cache16", "fp8"])
@@ -305,3 +320,13 @@ def test_rms_norm_reads_its_weight_before_the_pdl_wait(has_residual):
     loads = [m.start() for m in re.finditer(r"ld\.global", ptx)]
     assert loads[0] < wait  # the weight
     assert any(at > wait for at in loads)  # the activations (and the residual)
+
+
+def test_the_rotary_kernel_does_not_specialise_on_the_step_token_count():
+    """The fused rotary + K/V write takes the step's slot count (``num_slots``) as an argument:
+    specialised on its value (1, or a multiple of 16) like other integers, a step of a token count
+    the start-up pass did not use compiled a variant on first launch (a GPU run of
+    tests/cuda/test_kernel_precompile.py, 2026-12-07)."""
+    from pagedlm.backends.cuda.kernels.layer_ops import _rotary_kernel
+
+    assert "num_slots" in _rotary_kernel.do_not_specialize

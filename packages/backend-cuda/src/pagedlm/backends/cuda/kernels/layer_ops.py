@@ -171,7 +171,9 @@ def _fp8_cache_value(x, scale):
     return tl.minimum(tl.maximum(x, -_FP8_MAX), _FP8_MAX)
 
 
-@triton.jit
+# NOTE: num_slots is a step's token count: specialised on its value (== 1, divisible by 16), a
+# step of another count would compile a variant after start-up (tests/cuda/test_kernel_precompile.py)
+@triton.jit(do_not_specialize=["num_slots"])
 def _rotary_kernel(
     pos_ptr, cos_sin_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr, stride_q, stride_k, num_q_heads, num_k_heads,
     q_w_ptr, k_w_ptr, eps, v_ptr, stride_v, v_out_ptr, slot_ptr, num_slots, k_scale_ptr, v_scale_ptr,

@@ -143,8 +143,9 @@ def _fp8_decode_tiles(q, qk_scale, row_valid, q_pos, kv_lo, kv_hi, bt_row, head_
     operand layout as e4m3 and converted there to float16 (exact); V is converted once per tile
     in its load layout (:func:`_e4m3_to_f16`) for ``O^T = V^T P^T``.
 
-    Why it runs fast (sm_90, Triton 3.6, 2 warps, 32 keys a tile; the loop was latency-bound: an
-    iteration took ~3 us for ~380 instructions a warp):
+    Why it runs fast (measured at sm_90, Triton 3.6, 2 warps, 32 keys a tile, 3 stages; the loop
+    was latency-bound: an iteration took ~3 us for ~380 instructions a warp; the default is now 1
+    warp, 16 keys, 2 stages, whose smaller programs keep more of them resident, see launch_shape):
 
     - the block ids come one tile ahead, in registers, so the K/V copies of a tile do not wait for
       the block-table load of the same iteration, and the pipeliner keeps ``num_stages - 1`` tiles
@@ -495,10 +496,13 @@ def launch_shape(decode_only: bool, fp8_decode: bool, group_pad: int,
         return (max(cfg.get("BLOCK_M", 64), group_pad, 16), cfg.get("BLOCK_N", 64), cfg.get("num_warps", 4),
                 cfg.get("num_stages", 2))
     if fp8_decode:
-        # 8 rows (the MMA's N side), 32 keys a tile, 2 warps, 3 stages: two tiles of copies in
-        # flight (see _fp8_decode_tiles)
-        return (max(cfg.get("BLOCK_M", 8), group_pad, 8), cfg.get("BLOCK_N", 32), cfg.get("num_warps", 2),
-                cfg.get("num_stages", 3))
+        # 8 rows (the MMA's N side), 16 keys a tile, 1 warp, 2 stages: the smallest programs, so
+        # more of a batch-256 step's (request, kv head) programs are resident at once (see
+        # _fp8_decode_tiles). H100, 256 x 768, Llama-3.1-8B heads: 147 us against 153 at the
+        # former 32 keys / 2 warps / 3 stages, and the fixed 256 x 512/512 FP8 run 1.3 % faster
+        # (2026-12-07, bench_attention.py and gpu_targets.py; docs/benchmarks.md)
+        return (max(cfg.get("BLOCK_M", 8), group_pad, 8), cfg.get("BLOCK_N", 16), cfg.get("num_warps", 1),
+                cfg.get("num_stages", 2))
     return max(16, group_pad), cfg.get("BLOCK_N", 64), cfg.get("num_warps", 4), cfg.get("num_stages", 3)
 
 
