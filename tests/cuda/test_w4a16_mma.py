@@ -87,14 +87,15 @@ def test_mma_gemv_replays_in_a_cuda_graph(device):
 
 
 def test_wna16_op_takes_the_mma_kernel_for_its_layout(device):
-    """Through the ops (repack, then gemm) at 1 and 8 rows (the tensor-core GEMV) and 9 rows (the
-    Triton GEMM reading the same layout)."""
+    """Through the ops (repack, then gemm) at 1 and 8 rows (the tensor-core GEMV) and 9 to 300 rows
+    (the same layout dequantized for cuBLAS)."""
     from pagedlm.backends.cuda.kernels.quant_gemm import wna16_gemm, wna16_repack
 
-    x, qw, s, z = _inputs(9, 4096, 4096, 128, True, torch.bfloat16)
+    x, qw, s, z = _inputs(300, 4096, 4096, 128, True, torch.bfloat16)
     packed = wna16_repack(qw, s, z, None, 4, 128)
     assert not torch.equal(packed, qw) and packed.shape == qw.shape
     ref = wna16_gemm_ref(x.float(), qw, s.float(), z, None, 4, 128)
-    for m in (1, 8, 9):
+    for m in (1, 8, 9, 64, 300):
         out = wna16_gemm(x[:m], packed, s, z, None, 4, 128)
         torch.testing.assert_close(out.float(), ref[:m], atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
+

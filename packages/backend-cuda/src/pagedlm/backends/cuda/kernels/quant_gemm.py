@@ -4,9 +4,12 @@
 - ``wna16_gemm``: 4-bit weights of the shapes :func:`.w4a16_mma.mma_layout_supported` takes are
   stored in the tensor-core GEMV's layout by ``wna16_repack`` (at loading), and up to
   ``MMA_MAX_ROWS`` rows run that CUDA kernel (:mod:`.w4a16_mma`); the other weights, at most
-  ``GEMV_MAX_ROWS`` rows (decode), the matrix-vector kernel of :mod:`.wna16_gemv`. More rows: a
-  Triton GEMM that reads the packed int4/int8 weights (``[K // pack, N]`` int32, GPTQ's K-major
-  layout every integer format is converted to, or the mma layout) and dequantizes each
+  ``GEMV_MAX_ROWS`` rows (decode), the matrix-vector kernel of :mod:`.wna16_gemv`. More rows on
+  mma-layout weights: the weights dequantized chunk by chunk and multiplied by cuBLAS
+  (:mod:`.w4a16_dequant`; that layout's blocks would be gathered value by value by a GEMM's
+  tiles). Other weights, more rows: a Triton GEMM that reads the packed int4/int8 weights
+  (``[K // pack, N]`` int32, GPTQ's K-major layout every integer format is converted to, or the
+  mma layout for float32 activations) and dequantizes each
   ``[BLOCK_K, BLOCK_N]`` tile in its inner loop (scales and zero points by group, or through
   ``g_idx`` for act-order), accumulating in float32 on tensor cores; weights are read from memory
   once, at 4 or 8 bits. Up to 16 rows it splits K across programs (reduced in the same launch,
@@ -30,6 +33,7 @@ import triton.language as tl
 from pagedlm.backends.cuda.kernels.fp8_gemm import fp8_rowwise_mm, num_sms, rowwise_tiles
 from pagedlm.backends.cuda.kernels.launch import launch
 from pagedlm.backends.cuda.kernels.quant_act import int8_dequant_epilogue, quantize_rows
+from pagedlm.backends.cuda.kernels.w4a16_dequant import mma_dequantized_matmul
 from pagedlm.backends.cuda.kernels.w4a16_mma import (
     MMA_MAX_ROWS,
     mma_layout_supported,
@@ -134,6 +138,8 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         return w4a16_mma_gemv(x, qweight, scales, zeros, group_size)
     if 0 < m <= GEMV_MAX_ROWS and not mma:
         return wna16_gemv(x, qweight, scales, zeros, g_idx, bits, group_size)
+    if mma and m > MMA_MAX_ROWS and x.dtype == scales.dtype:
+        return mma_dequantized_matmul(x, qweight, scales, zeros, group_size)
     return wna16_triton_gemm(x, qweight, scales, zeros, g_idx, bits, group_size, mma_layout=mma)
 
 
