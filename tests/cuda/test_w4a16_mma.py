@@ -41,6 +41,13 @@ def test_mma_gemv_matches_dequantize_then_matmul(m, n, k, group, zeros, device):
     _check(m, n, k, group, zeros, torch.bfloat16)
 
 
+@pytest.mark.parametrize("m", [9, 20, 32])
+def test_mma_gemv_takes_more_rows_a_launch_per_eight(m, device):
+    """Past 8 rows the GEMV runs once per 8 rows (the last chunk partial) into one output."""
+    out = _check(m, 4096, 14336, 128, True, torch.bfloat16)
+    assert out.is_contiguous()
+
+
 @pytest.mark.parametrize("zeros", [False, True])
 def test_mma_gemv_in_float16(zeros, device):
     _check(3, 4096, 4096, 128, zeros, torch.float16)
@@ -87,15 +94,15 @@ def test_mma_gemv_replays_in_a_cuda_graph(device):
 
 
 def test_wna16_op_takes_the_mma_kernel_for_its_layout(device):
-    """Through the ops (repack, then gemm) at 1 and 8 rows (the tensor-core GEMV) and 9 to 300 rows
-    (the same layout dequantized for cuBLAS)."""
+    """Through the ops (repack, then gemm) at 1 to 32 rows (the tensor-core GEMV, a launch per 8
+    rows) and 33 to 300 rows (the same layout dequantized for cuBLAS)."""
     from pagedlm.backends.cuda.kernels.quant_gemm import wna16_gemm, wna16_repack
 
     x, qw, s, z = _inputs(300, 4096, 4096, 128, True, torch.bfloat16)
     packed = wna16_repack(qw, s, z, None, 4, 128)
     assert not torch.equal(packed, qw) and packed.shape == qw.shape
     ref = wna16_gemm_ref(x.float(), qw, s.float(), z, None, 4, 128)
-    for m in (1, 8, 9, 64, 300):
+    for m in (1, 8, 9, 20, 32, 33, 64, 300):
         out = wna16_gemm(x[:m], packed, s, z, None, 4, 128)
         torch.testing.assert_close(out.float(), ref[:m], atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
 

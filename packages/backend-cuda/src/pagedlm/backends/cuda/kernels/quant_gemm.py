@@ -3,9 +3,9 @@
 
 - ``wna16_gemm``: 4-bit weights of the shapes :func:`.w4a16_mma.mma_layout_supported` takes are
   stored in the tensor-core GEMV's layout by ``wna16_repack`` (at loading), and up to
-  ``MMA_MAX_ROWS`` rows run that CUDA kernel (:mod:`.w4a16_mma`); the other weights, at most
-  ``GEMV_MAX_ROWS`` rows (decode), the matrix-vector kernel of :mod:`.wna16_gemv`. More rows on
-  mma-layout weights: the weights dequantized chunk by chunk and multiplied by cuBLAS
+  ``CHUNKED_MAX_ROWS`` rows run that CUDA kernel (:mod:`.w4a16_mma`, a launch per 8 rows); the
+  other weights, at most ``GEMV_MAX_ROWS`` rows (decode), the matrix-vector kernel of
+  :mod:`.wna16_gemv`. More rows on mma-layout weights: the weights dequantized chunk by chunk and multiplied by cuBLAS
   (:mod:`.w4a16_dequant`; that layout's blocks would be gathered value by value by a GEMM's
   tiles). Other weights, more rows: a Triton GEMM that reads the packed int4/int8 weights
   (``[K // pack, N]`` int32, GPTQ's K-major layout every integer format is converted to, or the
@@ -35,7 +35,7 @@ from pagedlm.backends.cuda.kernels.launch import launch
 from pagedlm.backends.cuda.kernels.quant_act import int8_dequant_epilogue, quantize_rows
 from pagedlm.backends.cuda.kernels.w4a16_dequant import mma_dequantized_matmul
 from pagedlm.backends.cuda.kernels.w4a16_mma import (
-    MMA_MAX_ROWS,
+    CHUNKED_MAX_ROWS,
     mma_layout_supported,
     mma_repack,
     prepare_mma_kernel,
@@ -134,11 +134,11 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     if qweight.shape[0] * (32 // bits) != k:
         raise ValueError(f"qweight {tuple(qweight.shape)} does not hold {k} rows of {bits}-bit values")
     mma = mma_layout_supported(bits, group_size, g_idx is not None, k, n, scales.dtype, qweight.device)
-    if mma and 0 < m <= MMA_MAX_ROWS and x.dtype == scales.dtype:
+    if mma and 0 < m <= CHUNKED_MAX_ROWS and x.dtype == scales.dtype:
         return w4a16_mma_gemv(x, qweight, scales, zeros, group_size)
     if 0 < m <= GEMV_MAX_ROWS and not mma:
         return wna16_gemv(x, qweight, scales, zeros, g_idx, bits, group_size)
-    if mma and m > MMA_MAX_ROWS and x.dtype == scales.dtype:
+    if mma and m > CHUNKED_MAX_ROWS and x.dtype == scales.dtype:
         return mma_dequantized_matmul(x, qweight, scales, zeros, group_size)
     return wna16_triton_gemm(x, qweight, scales, zeros, g_idx, bits, group_size, mma_layout=mma)
 

@@ -1,5 +1,5 @@
-"""Batches of more than :data:`.w4a16_mma.MMA_MAX_ROWS` rows times mma-layout int4 weights: the
-weights dequantized into a dense ``[n, K]`` scratch matrix, column chunk by column chunk, each
+"""Batches of more than :data:`.w4a16_mma.CHUNKED_MAX_ROWS` rows times mma-layout int4 weights:
+the weights dequantized into a dense ``[n, K]`` scratch matrix, column chunk by column chunk, each
 chunk one cuBLAS matmul.
 
 Why not a GEMM that dequantizes tile by tile: the mma layout (:mod:`.w4a16_mma`) is made for the

@@ -53,13 +53,18 @@ from pagedlm.backends.cuda.kernels.fp8_gemm import num_sms
 from pagedlm.backends.cuda.kernels.launch import pdl_options
 from pagedlm.backends.cuda.kernels.wna16_gemv import split_k_counters
 
-__all__ = ["MMA_MAX_ROWS", "mma_config", "mma_layout_supported", "mma_repack", "mma_unpack", "mma_word_and_shift",
-           "prepare_mma_kernel", "w4a16_mma_gemv"]
+__all__ = ["CHUNKED_MAX_ROWS", "MMA_MAX_ROWS", "mma_config", "mma_layout_supported", "mma_repack", "mma_unpack",
+           "mma_word_and_shift", "prepare_mma_kernel", "w4a16_mma_gemv"]
 
 logger = logging.getLogger(__name__)
 
 #: the kernel's rows: the mma's N dimension
 MMA_MAX_ROWS = 8
+#: rows up to which a batch runs the kernel once per 8 rows (re-reading the weights each time);
+#: past it, dense chunks and cuBLAS (:mod:`.w4a16_dequant`). One layer of Llama-3.1-8B at 8 rows
+#: took 59 us, the dequantized path at 16 rows 908 us (H100, 2026-12-07, its 2-byte stores; a
+#: third of that expected with its 16-byte stores), bf16 cuBLAS 152 us
+CHUNKED_MAX_ROWS = 32
 
 _SOURCE = r"""
 typedef unsigned int u32;
@@ -454,9 +459,10 @@ def mma_config(n: int, k: int, group_size: int, sms: int, *, warps: int | None =
 
 def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                    group_size: int, **tuning: int) -> torch.Tensor:
-    """``x [M <= 8, K]`` (bf16/fp16) times the mma-layout int4 ``qweight`` (``[K // 8, N]``) with
+    """``x [M, K]`` (bf16/fp16) times the mma-layout int4 ``qweight`` (``[K // 8, N]``) with
     ``scales [K // G, N]`` (x's dtype) and ``zeros [K // G, N]`` int32 or None (symmetric: 8):
-    ``[M, N]`` in x's dtype. ``tuning``: :func:`mma_config`'s keywords."""
+    ``[M, N]`` in x's dtype; one launch per :data:`MMA_MAX_ROWS` rows. ``tuning``:
+    :func:`mma_config`'s keywords."""
     m, k = x.shape
     n = qweight.shape[1]
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
@@ -467,10 +473,14 @@ def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else None
+    part = torch.empty(split * min(m, MMA_MAX_ROWS) * n, dtype=torch.float32, device=x.device) if split > 1 else None
     kernel = _kernel(x.device, x.dtype == torch.float16, zeros is not None, warps, stages, group_kb)
-    kernel((tiles, split, 1), warps * 32, qweight, scales, zeros, x, out, part, counters,
-           m, n, k, x.stride(0), out.stride(0), group_size, kb, pdl=pdl_options(x.device)["USE_PDL"])
-    if split > 1 and counters is None:
-        return part.sum(dim=0).to(x.dtype)  # (a first call inside a graph capture: no counters yet)
+    for r0 in range(0, m, MMA_MAX_ROWS):
+        rows = min(MMA_MAX_ROWS, m - r0)
+        # NOTE: row chunks run in stream order, so one partial buffer and the counters serve all
+        kernel((tiles, split, 1), warps * 32, qweight, scales, zeros, x[r0:r0 + rows], out[r0:r0 + rows], part,
+               counters, rows, n, k, x.stride(0), out.stride(0), group_size, kb,
+               pdl=pdl_options(x.device)["USE_PDL"])
+        if split > 1 and counters is None:  # (a first call inside a graph capture: no counters yet)
+            out[r0:r0 + rows] = part[:split * rows * n].view(split, rows, n).sum(dim=0)
     return out
