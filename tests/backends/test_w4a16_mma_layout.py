@@ -78,9 +78,22 @@ def _sass(cubin: bytes, tmp_path: Path) -> list[str]:
 @pytest.mark.parametrize("defines", [{}, {"FP16": 1, "HAS_ZEROS": 1},
                                      {"WARPS": 1, "STAGES": 1, "MIN_BLOCKS": 32, "GROUP_KB": 0},
                                      {"WARPS": 8, "STAGES": 4, "MIN_BLOCKS": 4, "PDL": 1},
-                                     {"HAS_ZEROS": 1, "GROUP_KB": 0}, {"GROUP_KB": 1}, {"GROUP_KB": 8, "HAS_ZEROS": 1}])
+                                     {"HAS_ZEROS": 1, "GROUP_KB": 0}, {"GROUP_KB": 1}, {"GROUP_KB": 8, "HAS_ZEROS": 1},
+                                     {"BULK": 1, "PDL": 1, "STAGES": 4}, {"BULK": 1, "STAGES": 1, "GROUP_KB": 0}])
 def test_every_variant_compiles(defines):
     assert _cubin(defines)[:4] == b"\x7fELF"
+
+
+def test_the_bulk_variant_streams_blocks_through_the_copy_engine(tmp_path):
+    """``BULK``: the weight blocks arrive by bulk copies (UBLKCP, one lane a block) completing on
+    mbarriers (SYNCS), with no per-lane async copy (LDGSTS) left and no register spill; without
+    it, no bulk copy."""
+    ops = _sass(_cubin({"BULK": 1, "PDL": 1, "STAGES": 4}), tmp_path)
+    assert any(op.startswith("UBLKCP") for op in ops)
+    assert any(op.startswith("SYNCS.PHASECHK") for op in ops) and any(op.startswith("SYNCS.ARRIVE") for op in ops)
+    assert not any(op.startswith("LDGSTS") for op in ops)
+    assert not any(op.startswith(("LDL", "STL")) for op in ops)
+    assert not any(op.startswith("UBLKCP") for op in _sass(_cubin({"PDL": 1, "STAGES": 4}), tmp_path))
 
 
 def test_a_block_of_64_values_a_lane_is_one_loop_step(tmp_path):

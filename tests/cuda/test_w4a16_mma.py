@@ -41,6 +41,18 @@ def test_mma_gemv_matches_dequantize_then_matmul(m, n, k, group, zeros, device):
     _check(m, n, k, group, zeros, torch.bfloat16)
 
 
+@pytest.mark.parametrize("tuning", [dict(bulk=True), dict(bulk=True, stages=1), dict(bulk=True, stages=8),
+                                    dict(bulk=True, warps=1, stages=2)])
+@pytest.mark.parametrize("m, group, zeros", [(1, 128, False), (5, 128, True), (8, -1, False)])
+def test_mma_gemv_with_bulk_copies(m, group, zeros, tuning, device):
+    """The bulk-copy variant (``PAGEDLM_CUDA_W4A16_BULK``, sm_90+): the same results at every ring
+    depth, with group ends at fixed slots and counted."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("bulk copies are sm_90 instructions")
+    for n, k in [(4096, 14336), (48, 256), (6144, 4096)]:
+        _check(m, n, k, group, zeros, torch.bfloat16, **tuning)
+
+
 @pytest.mark.parametrize("m", [9, 20, 32])
 def test_mma_gemv_takes_more_rows_a_launch_per_eight(m, device):
     """Past 8 rows the GEMV runs once per 8 rows (the last chunk partial) into one output."""

@@ -24,7 +24,8 @@ default's. (Pipeline stages through shared memory were in the grid until 2026-12
 won.)
 
 ``--sweep-mma`` times the tensor-core W4A16 GEMV (``kernels/w4a16_mma.py``) over its grid (warps
-per block, K blocks in flight per warp, warps per SM the grid is sized for) at each shape and row
+per block, K blocks in flight per warp, warps per SM the grid is sized for, and on sm_90 bulk
+copies or not; also the defaults with bulk copies) at each shape and row
 count (default 1, 4, 8), beside the Triton GEMV, and sums each setting over the four projections.
 
 ``--sweep-fp8`` times the row-wise FP8 GEMM alone at decode-batch row counts (16 to 512):
@@ -166,17 +167,23 @@ def sweep_mma(dev: torch.device, gen: torch.Generator, rows: list[int]) -> None:
                 total[f"M={m} triton"] = total.get(f"M={m} triton", 0.0) + t
             packed = mma_repack(qw)
             timings = []
-            for warps, stages, per_sm in itertools.product((1, 2, 4, 8), (4, 8), (16, 32, 64)):
-                tuning = dict(warps=warps, stages=stages, warps_per_sm=per_sm)
+            bulk_options = (False, True) if torch.cuda.get_device_capability(dev) >= (9, 0) else (False,)
+            for warps, stages, per_sm, bulk in itertools.product((1, 2, 4, 8), (4, 8), (16, 32, 64), bulk_options):
+                tuning = dict(warps=warps, stages=stages, warps_per_sm=per_sm, bulk=bulk)
                 if rel_err(w4a16_mma_gemv(x, packed, s, None, 128, **tuning), ref) > 2e-2:
                     line.append(f"{tuning} WRONG")
                     continue
                 t, _ = time_cycled(lambda w, x=x, s=s, a=tuning: w4a16_mma_gemv(x, w, s, None, 128, **a), packed, size)
-                key = f"warps={warps} stages={stages} warps_per_sm={per_sm}"
+                key = f"warps={warps} stages={stages} warps_per_sm={per_sm} bulk={int(bulk)}"
                 timings.append((t, key))
                 total[f"M={m} mma {key}"] = total.get(f"M={m} mma {key}", 0.0) + t
             t_default, _ = time_cycled(lambda w, x=x, s=s: w4a16_mma_gemv(x, w, s, None, 128), packed, size)
             total[f"M={m} mma default"] = total.get(f"M={m} mma default", 0.0) + t_default
+            if len(bulk_options) > 1:  # the defaults with bulk copies (PAGEDLM_CUDA_W4A16_BULK=1)
+                t_bulk, _ = time_cycled(lambda w, x=x, s=s: w4a16_mma_gemv(x, w, s, None, 128, bulk=True), packed,
+                                        size)
+                total[f"M={m} mma default bulk"] = total.get(f"M={m} mma default bulk", 0.0) + t_bulk
+                line.append(f"bulk {t_bulk * 1e3:.1f} us")
             t, key = min(timings)
             line.append(f"mma default {t_default * 1e3:.1f} us ({size / t_default / 1e6:.0f} GB/s), "
                         f"best {key} {t * 1e3:.1f} us ({size / t / 1e6:.0f} GB/s)")

@@ -27,6 +27,9 @@ instructions with the loop's bookkeeping (under 1 in the unpacking itself):
   first blocks are requested before ``griddepcontrol.wait`` (weights are constant), so they
   load during the previous kernel's tail, and ``griddepcontrol.launch_dependents`` follows the
   wait, so the next kernel's launch overlaps this one (as the Triton kernels' ``pdl_wait``);
+- with ``BULK`` (``PAGEDLM_CUDA_W4A16_BULK=1``, sm_90+, opt-in until timed) lane 0 brings each
+  block into its slot with one bulk copy completing on the slot's mbarrier, instead of each
+  lane's 16-byte ``cp.async``;
 - the warps of a block take consecutive K slices of one 16-row tile and are summed through
   shared memory; blocks along K (``SPLIT``) through float32 partials and a per-tile counter (the
   protocol of :func:`.wna16_gemv.split_k_store`: the last block sums the partials in split
@@ -83,6 +86,25 @@ __device__ __forceinline__ void cp_async16(uint4* dst, const uint4* src) {
     const u32 d = (u32)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d), "l"(src));
 }
+
+#if BULK
+// Hopper's bulk copy engine (TMA, one lane issues a whole block) and its completion barriers
+__device__ __forceinline__ u32 smem(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void bulk_block(uint4* dst, const uint4* src, unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], 512;" :: "r"(smem(bar)) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 512, [%2];"
+                 :: "r"(smem(dst)), "l"(src), "r"(smem(bar)) : "memory");
+}
+
+__device__ __forceinline__ void bulk_wait(unsigned long long* bar, u32 parity) {
+    u32 done = 0;
+    while (!done) {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(smem(bar)), "r"(parity) : "memory");
+    }
+}
+#endif
 
 __device__ __forceinline__ uint4 ld_x(const u16* p) {
     uint4 v;
@@ -165,14 +187,32 @@ w4a16_mma_gemv(const uint4* __restrict__ qw, const u16* __restrict__ scales, con
     const int n_lo = nt * 16 + g;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     __shared__ uint4 ring[WARPS][STAGES][32];
+#if BULK
+    __shared__ unsigned long long full[WARPS][STAGES];  // a block has landed in the slot
+#endif
     if (kb0 < kb_end) {
         const uint4* wp = qw + ((size_t)nt * kbt + kb0) * 32 + lane;
         const int count = kb_end - kb0;
+#if BULK
+        // lane 0 copies each 512-byte block with one bulk request (the copy engine, not 32 lanes'
+        // 16-byte copies through the load/store unit); the slot's barrier says when it landed
+        if (lane == 0) {
+#pragma unroll
+            for (int i = 0; i < STAGES; ++i)
+                asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem(&full[warp][i])) : "memory");
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#pragma unroll
+            for (int i = 0; i < STAGES; ++i)
+                if (i < count) bulk_block(ring[warp][i], wp + i * 32, &full[warp][i]);
+        }
+        __syncwarp();
+#else
 #pragma unroll
         for (int i = 0; i < STAGES; ++i) {
             if (i < count) cp_async16(&ring[warp][i][lane], wp + i * 32);
             asm volatile("cp.async.commit_group;" ::: "memory");
         }
+#endif
         const int group_kb = group_size >> 6;
         const int grp = kb0 / group_kb;
 #if !GROUP_KB
@@ -226,12 +266,24 @@ w4a16_mma_gemv(const uint4* __restrict__ qw, const u16* __restrict__ scales, con
             for (int slot = 0; slot < STAGES; ++slot) {
                 const int i = i0 + slot;
                 if (i >= count) break;
+#if BULK
+                bulk_wait(&full[warp][slot], (u32)(i / STAGES) & 1u);
+                const uint4 wi = ring[warp][slot][lane];
+                // NOTE: every lane has read the slot before lane 0 refills it, and the copy
+                // engine's write is ordered after those reads (a proxy fence)
+                __syncwarp();
+                if (lane == 0 && i + STAGES < count) {
+                    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                    bulk_block(ring[warp][slot], wnext, &full[warp][slot]);
+                }
+#else
                 asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1) : "memory");
                 // NOTE: a lane reads back only what it copied, so its own wait suffices, and its
                 // next copy into this slot is ordered after this read
                 const uint4 wi = ring[warp][slot][lane];
                 if (i + STAGES < count) cp_async16(&ring[warp][slot][lane], wnext);
                 asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
                 wnext += 32;
                 // the activations: 2 KiB a row, L1-resident after the first warps of the SM
                 const uint4 xa = ld_x(xp), xb = ld_x(xp + 8);
@@ -363,7 +415,7 @@ def _mma_available(device: torch.device) -> bool:
     if os.environ.get("PAGEDLM_CUDA_W4A16_MMA", "1") == "0" or torch.cuda.get_device_capability(device) < (8, 0):
         return False
     try:
-        _kernel(device, False, False, 4, 4, 2)
+        _kernel(device, False, False, 4, 4, 2, False)
     except Exception as e:  # noqa: BLE001 - no NVRTC, or it cannot compile: the Triton kernels stay
         logger.warning("W4A16 tensor-core GEMV unavailable (%s); using the Triton GEMV", e)
         return False
@@ -375,12 +427,24 @@ WARPS_PER_SM = 32
 
 
 @cache
-def _kernel(device: torch.device, fp16: bool, has_zeros: bool, warps: int, stages: int, group_kb: int):
+def bulk_copies(device: torch.device) -> bool:
+    """Whether the GEMV streams its weight blocks with Hopper's bulk copies (one lane a block,
+    the copy engine, an mbarrier a ring slot) instead of each lane's 16-byte ``cp.async``:
+    ``PAGEDLM_CUDA_W4A16_BULK=1`` on sm_90 and later; off by default until timed on a GPU."""
+    value = os.environ.get("PAGEDLM_CUDA_W4A16_BULK", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"PAGEDLM_CUDA_W4A16_BULK={value!r}: expected 0 or 1")
+    return value == "1" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+@cache
+def _kernel(device: torch.device, fp16: bool, has_zeros: bool, warps: int, stages: int, group_kb: int,
+            bulk: bool):
     from pagedlm.backends.cuda.nvrtc import Kernel, compile_cubin
 
     major, minor = torch.cuda.get_device_capability(device)
     defines = {"FP16": fp16, "HAS_ZEROS": has_zeros, "WARPS": warps, "STAGES": stages, "GROUP_KB": group_kb,
-               "MIN_BLOCKS": max(1, WARPS_PER_SM // warps), "PDL": pdl_options(device)["USE_PDL"]}
+               "MIN_BLOCKS": max(1, WARPS_PER_SM // warps), "PDL": pdl_options(device)["USE_PDL"], "BULK": bulk}
     kernel = Kernel(compile_cubin(_SOURCE, "w4a16_mma_gemv", major * 10 + minor, defines), "w4a16_mma_gemv", device)
     kernel.prefer_shared_memory()
     return kernel
@@ -391,7 +455,7 @@ def prepare_mma_kernel(device: torch.device, n: int, k: int, group_size: int, dt
     """Build the kernel variant an ``[*, k] x [k, n]`` product will launch (NVRTC and the module
     load must not run inside a CUDA-graph capture)."""
     _, warps, _, stages, group_kb = mma_config(n, k, group_size, num_sms(device))
-    _kernel(device, dtype == torch.float16, has_zeros, warps, stages, group_kb)
+    _kernel(device, dtype == torch.float16, has_zeros, warps, stages, group_kb, bulk_copies(device))
 
 
 def mma_word_and_shift(k: torch.Tensor, n: torch.Tensor, k_total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -462,7 +526,9 @@ def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """``x [M, K]`` (bf16/fp16) times the mma-layout int4 ``qweight`` (``[K // 8, N]``) with
     ``scales [K // G, N]`` (x's dtype) and ``zeros [K // G, N]`` int32 or None (symmetric: 8):
     ``[M, N]`` in x's dtype; one launch per :data:`MMA_MAX_ROWS` rows. ``tuning``:
-    :func:`mma_config`'s keywords."""
+    :func:`mma_config`'s keywords, and ``bulk`` (see :func:`bulk_copies`)."""
+    bulk = tuning.pop("bulk", None)
+    bulk = bulk_copies(x.device) if bulk is None else bool(bulk)
     m, k = x.shape
     n = qweight.shape[1]
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
@@ -474,7 +540,7 @@ def w4a16_mma_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if m == 0:
         return out
     part = torch.empty(split * min(m, MMA_MAX_ROWS) * n, dtype=torch.float32, device=x.device) if split > 1 else None
-    kernel = _kernel(x.device, x.dtype == torch.float16, zeros is not None, warps, stages, group_kb)
+    kernel = _kernel(x.device, x.dtype == torch.float16, zeros is not None, warps, stages, group_kb, bulk)
     for r0 in range(0, m, MMA_MAX_ROWS):
         rows = min(MMA_MAX_ROWS, m - r0)
         # NOTE: row chunks run in stream order, so one partial buffer and the counters serve all
