@@ -5,9 +5,9 @@
   stored in the tensor-core GEMV's layout by ``wna16_repack`` (at loading), and up to
   ``CHUNKED_MAX_ROWS`` rows run that CUDA kernel (:mod:`.w4a16_mma`, a launch per 8 rows); the
   other weights, at most ``GEMV_MAX_ROWS`` rows (decode), the matrix-vector kernel of
-  :mod:`.wna16_gemv`. More rows on mma-layout weights: the weights dequantized chunk by chunk and multiplied by cuBLAS
-  (:mod:`.w4a16_dequant`; that layout's blocks would be gathered value by value by a GEMM's
-  tiles). Other weights, more rows: a Triton GEMM that reads the packed int4/int8 weights
+  :mod:`.wna16_gemv`. More rows on mma-layout weights: the weights dequantized chunk by chunk
+  and multiplied by cuBLAS (:mod:`.w4a16_dequant`; a GEMM's tiles would gather that layout value
+  by value). Other weights, more rows: a Triton GEMM that reads the packed int4/int8 weights
   (``[K // pack, N]`` int32, GPTQ's K-major layout every integer format is converted to, or the
   mma layout for float32 activations) and dequantizes each
   ``[BLOCK_K, BLOCK_N]`` tile in its inner loop (scales and zero points by group, or through
