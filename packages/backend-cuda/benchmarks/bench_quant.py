@@ -28,6 +28,10 @@ per block, K blocks in flight per warp, warps per SM the grid is sized for, and 
 copies or not; also the defaults with bulk copies) at each shape and row
 count (default 1, 4, 8), beside the Triton GEMV, and sums each setting over the four projections.
 
+``--sweep-batch`` times W4A16 on that layout past 8 rows (9 to 128), the GEMV once per 8 rows
+against the weights dequantized into dense chunks for cuBLAS, beside bf16: where the two cross is
+what ``w4a16_mma.CHUNKED_MAX_ROWS`` should be.
+
 ``--sweep-fp8`` times the row-wise FP8 GEMM alone at decode-batch row counts (16 to 512):
 ``torch._scaled_mm``, the same with its operands swapped, and the Triton kernel of
 ``kernels/fp8_gemm.py`` over its tile grid (small tiles, and large ones split along K), summed
@@ -193,6 +197,40 @@ def sweep_mma(dev: torch.device, gen: torch.Generator, rows: list[int]) -> None:
         print(f"  {key}: {t * 1e3:.1f} us")
 
 
+#: batch rows past the tensor-core GEMV's 8 (``--sweep-batch``)
+BATCH_SWEEP_ROWS = (9, 16, 24, 32, 48, 64, 96, 128)
+
+
+def sweep_batch(dev: torch.device, gen: torch.Generator) -> None:
+    """W4A16 g128 on the mma layout past 8 rows, per row count summed over Llama-3.1-8B's four
+    products: the tensor-core GEMV once per 8 rows against the dense chunks + cuBLAS
+    (``w4a16_dequant``), beside bf16 ``F.linear``; the crossover is what ``CHUNKED_MAX_ROWS``
+    should be."""
+    from pagedlm.backends.cuda.kernels.w4a16_dequant import mma_dequantized_matmul
+    from pagedlm.backends.cuda.kernels.w4a16_mma import CHUNKED_MAX_ROWS, mma_repack, w4a16_mma_gemv
+
+    weights = []
+    for _, n, k in LLAMA_8B:
+        qw = pack_rows(torch.randint(0, 16, (k, n), device=dev, generator=gen, dtype=torch.int32), 4)
+        s = (torch.rand(k // 128, n, device=dev, generator=gen) * 0.01 + 1e-3).to(torch.bfloat16)
+        weights.append((qw, mma_repack(qw), s, torch.randn(n, k, device=dev, generator=gen, dtype=torch.bfloat16)))
+    for m in BATCH_SWEEP_ROWS:
+        total = {"gemv": 0.0, "dense": 0.0, "bf16": 0.0}
+        for qw, packed, s, w in weights:
+            x = torch.randn(m, qw.shape[0] * 8, device=dev, generator=gen, dtype=torch.bfloat16)
+            ref = wna16_gemm_ref(x.float(), qw, s.float(), None, None, 4, 128)
+            for name, fn in (("gemv", lambda w_, x=x, s=s: w4a16_mma_gemv(x, w_, s, None, 128)),
+                             ("dense", lambda w_, x=x, s=s: mma_dequantized_matmul(x, w_, s, None, 128))):
+                if rel_err(fn(packed), ref) > 2e-2:
+                    print(f"M={m} {name} WRONG")
+                total[name] += time_cycled(fn, packed, nbytes(qw, s))[0]
+            total["bf16"] += time_cycled(lambda w_, x=x: F.linear(x, w_), w, w.numel() * 2)[0]
+        best = min(("gemv", "dense"), key=total.get)
+        print(f"M={m}: GEMV per 8 rows {total['gemv'] * 1e3:.0f} us, dense + cuBLAS {total['dense'] * 1e3:.0f} us, "
+              f"bf16 {total['bf16'] * 1e3:.0f} us a layer; best {best} (CHUNKED_MAX_ROWS is {CHUNKED_MAX_ROWS})",
+              flush=True)
+
+
 FP8_SWEEP_ROWS = (16, 64, 128, 256, 512)
 
 
@@ -295,6 +333,8 @@ def main() -> int:
     parser.add_argument("--sweep-gemv", action="store_true", help="tune the decode GEMV instead (see above)")
     parser.add_argument("--sweep-mma", action="store_true",
                         help="tune the tensor-core W4A16 GEMV instead (rows default 1,4,8)")
+    parser.add_argument("--sweep-batch", action="store_true",
+                        help="W4A16 past 8 rows: the GEMV per 8 rows against dense chunks + cuBLAS, per row count")
     parser.add_argument("--sweep-fp8", action="store_true",
                         help="tune the row-wise FP8 GEMM's tiles per row count instead (see above)")
     parser.add_argument("--apply", action="store_true", help="with --sweep-fp8: write the table it finds")
@@ -309,6 +349,9 @@ def main() -> int:
         return 0
     if args.sweep_mma:
         sweep_mma(dev, gen, [int(r) for r in (args.rows or "1,4,8").split(",")])
+        return 0
+    if args.sweep_batch:
+        sweep_batch(dev, gen)
         return 0
     if args.sweep_fp8:
         sweep_fp8(dev, gen, args.apply, [int(r) for r in args.rows.split(",")] if args.rows else FP8_SWEEP_ROWS,

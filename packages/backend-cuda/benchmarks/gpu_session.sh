@@ -109,8 +109,9 @@ if has kernel-bench-merge; then  # the same with the split-KV partials merged in
   stage kernel-bench-merge 180 env PAGEDLM_CUDA_SPLIT_KV_MERGE=kernel \
     python3 packages/backend-cuda/benchmarks/bench_attention.py --output-json "$OUT/kernel-merge.json"
 fi
-if has quant-bench; then  # the W4A16 GEMV's grid (bulk copies or not) at one row; every quantized op at 1-256 rows
+if has quant-bench; then  # the W4A16 GEMV's grid (bulk copies or not), its batch paths; every quantized op
   TAIL=12 stage quant-sweep 180 python3 packages/backend-cuda/benchmarks/bench_quant.py --sweep-mma --rows 1
+  TAIL=8 stage quant-batch 120 python3 packages/backend-cuda/benchmarks/bench_quant.py --sweep-batch
   TAIL=40 stage quant-bench 300 python3 packages/backend-cuda/benchmarks/bench_quant.py --rows 1,16,64,256 \
     --output-json "$OUT/quant.json"
 fi

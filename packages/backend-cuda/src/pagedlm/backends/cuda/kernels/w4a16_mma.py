@@ -66,7 +66,8 @@ MMA_MAX_ROWS = 8
 #: rows up to which a batch runs the kernel once per 8 rows (re-reading the weights each time);
 #: past it, dense chunks and cuBLAS (:mod:`.w4a16_dequant`). One layer of Llama-3.1-8B at 8 rows
 #: took 59 us, the dequantized path at 16 rows 908 us (H100, 2026-12-07, its 2-byte stores; a
-#: third of that expected with its 16-byte stores), bf16 cuBLAS 152 us
+#: third of that expected with its 16-byte stores), bf16 cuBLAS 152 us; ``bench_quant.py
+#: --sweep-batch`` measures the crossover
 CHUNKED_MAX_ROWS = 32
 
 _SOURCE = r"""
