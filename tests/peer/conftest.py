@@ -24,3 +24,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.peer)
+
+
+from peer_fixtures import (  # noqa: E402, F401 - vLLM's sample constraints, as its conftest provides them
+    sample_json_schema,
+    sample_regex,
+    sample_structured_outputs_choices,
+)

@@ -27,10 +27,8 @@ STARTUP_TIMEOUT_S = 240.0
 #: vLLM options without a counterpart in `pagedlm serve`, dropped with their value (True) or alone
 DROPPED = {
     "--port": True, "--host": True, "--disable-frontend-multiprocessing": False,
-    "--enable-lora": False, "--lora-modules": "many", "--max-lora-rank": True, "--max-cpu-loras": True,
-    "--max-loras": True, "--enable-auto-tool-choice": False, "--tool-call-parser": True,
-    "--reasoning-parser": True, "--enable-server-load-tracking": False, "--enable-tokenizer-info-endpoint": False,
-    "--tokenizer": True, "--chat-template": True, "--enable-prompt-embeds": False,
+    "--enable-server-load-tracking": False, "--enable-tokenizer-info-endpoint": False,
+    "--tokenizer": True, "--chat-template": True,
     "--gpu-memory-utilization": True, "--dtype": True, "--max-model-len": True, "--load-format": True,
 }
 _TINY: dict[str, str] = {}
@@ -44,6 +42,16 @@ def tiny_model_dir() -> str:
         out = Path(tempfile.mkdtemp(prefix="pagedlm-peer-")) / "tiny-llama"
         _TINY["dir"] = make_tiny_checkpoint(out, "llama", max_position_embeddings=16384)
     return _TINY["dir"]
+
+
+def tiny_lora_dir() -> str:
+    """A PEFT LoRA adapter of the tiny checkpoint (built on first use), served where vLLM's tests
+    download one (zephyr-lora): made by the real ``peft``, with nonzero B so it changes outputs."""
+    if "lora" not in _TINY:
+        from pagedlm.core.testing.lora import make_peft_adapter
+
+        _TINY["lora"] = make_peft_adapter(tiny_model_dir(), Path(tiny_model_dir()).parent / "tiny-lora")
+    return _TINY["lora"]
 
 
 def get_tokenizer(name: str | None = None, **_: Any):

@@ -78,7 +78,6 @@ async def test_batched_chat_completions(
     "model_name",
     [MODEL_NAME],
 )
-@pytest.mark.skip(reason='structured outputs (response_format json_schema) are not supported by pagedlm (issue 19)')
 async def test_batched_chat_completions_with_json_schema(
     server: RemoteOpenAIServer, model_name: str
 ) -> None:

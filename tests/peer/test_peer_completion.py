@@ -695,7 +695,6 @@ async def test_echo_logprob_completion(
     "model_name",
     [MODEL_NAME],
 )
-@pytest.mark.skip(reason='structured outputs (json/regex/grammar) are not supported by pagedlm (issue 19)')
 async def test_invalid_json_schema(client: openai.AsyncOpenAI, model_name: str) -> None:
     invalid_json_schema = {
         "$defs": {
@@ -732,7 +731,6 @@ async def test_invalid_json_schema(client: openai.AsyncOpenAI, model_name: str) 
     "model_name",
     [MODEL_NAME],
 )
-@pytest.mark.skip(reason='structured outputs (json/regex/grammar) are not supported by pagedlm (issue 19)')
 async def test_invalid_regex(client: openai.AsyncOpenAI, model_name: str):
     prompt = (
         "Generate an email address for Alan Turing, who works in Enigma."
@@ -753,7 +751,6 @@ async def test_invalid_regex(client: openai.AsyncOpenAI, model_name: str):
     "model_name",
     [MODEL_NAME],
 )
-@pytest.mark.skip(reason='structured outputs (json/regex/grammar) are not supported by pagedlm (issue 19)')
 async def test_invalid_grammar(client: openai.AsyncOpenAI, model_name: str):
     invalid_simplified_sql_grammar = """
         root ::= select_statementinvalidsyntax

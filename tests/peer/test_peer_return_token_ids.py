@@ -101,7 +101,6 @@ async def test_basic_completion_with_emoji(server, return_token_ids: bool | None
 
 
 @pytest.mark.asyncio
-@pytest.mark.skip(reason='tools (and tool parsers) are not supported by pagedlm (issue 19)')
 async def test_chat_completion_with_tool_use(server):
     """Test chat completion with tool use (get_weather function)."""
     tools = [
@@ -156,16 +155,10 @@ async def test_chat_completion_with_tool_use(server):
         # Verify the prompt texts and response texts
         tokenizer = get_tokenizer(tokenizer_name=MODEL_NAME)
         prompt_text = tokenizer.decode(response.prompt_token_ids)
-        assert prompt_text.startswith(
-            "<|im_start|>system\nYou are a helpful assistant."
-        )
-        assert prompt_text.endswith(
-            "What's the weather like in Paris?<|im_end|>\n<|im_start|>assistant\n"
-        )
-
-        response_text = tokenizer.decode(response.choices[0].token_ids)
-        assert response_text.startswith('<tool_call>\n{"name": "get_weather"')
-        assert response_text.endswith("</tool_call><|im_end|>")
+        # pagedlm: the tiny checkpoint's chat template (not Qwen's ChatML), and no check of the
+        # response's text: a random model does not write a <tool_call> block
+        assert prompt_text.startswith("<s><|system|>\nYou are a helpful assistant.")
+        assert prompt_text.endswith("What's the weather like in Paris?<|end|>\n<|assistant|>\n")
 
         # If tool call was made, verify the response structure
         if response.choices[0].message.tool_calls:

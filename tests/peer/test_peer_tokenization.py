@@ -138,7 +138,6 @@ async def test_tokenize_chat(
     [(MODEL_NAME, MODEL_NAME)],
     indirect=["tokenizer_name"],
 )
-@pytest.mark.skip(reason='tools (and tool parsers) are not supported by pagedlm (issue 19)')
 async def test_tokenize_chat_with_tools(
     server: RemoteOpenAIServer,
     model_name: str,

@@ -264,3 +264,21 @@ def test_beam_search_equals_offline_beam_search(server, tiny_llama, openai_schem
     assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search", r.text
     ok = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "use_beam_search": False})
     assert ok.status_code == 200, ok.text
+
+
+def test_tokenize_renders_tools_and_template_kwargs_as_chat_does(server):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    chat = post(server, "/v1/chat/completions", {"messages": CHAT, "tools": tools, "tool_choice": "none",
+                                                 "max_tokens": 1, "return_token_ids": True}).json()
+    with_tools = post(server, "/tokenize", {"messages": CHAT, "tools": tools}).json()["tokens"]
+    assert with_tools == chat["prompt_token_ids"]
+    assert "get_weather" in post(server, "/detokenize", {"tokens": with_tools}).json()["prompt"]
+    assert with_tools != post(server, "/tokenize", {"messages": CHAT}).json()["tokens"]
+    kwargs = post(server, "/tokenize", {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}})
+    assert kwargs.status_code == 200, kwargs.text
+    for body, param in [({"prompt": "hi", "tools": tools}, "tools"),
+                        ({"prompt": "hi", "chat_template_kwargs": {}}, "chat_template_kwargs"),
+                        ({"messages": CHAT, "tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
+                        ({"messages": CHAT, "tools": tools * 2}, "tools")]:
+        r = post(server, "/tokenize", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -35,6 +35,7 @@ from pagedlm.server.serving_chat_batch import create_batch_chat_completion
 from pagedlm.server.serving_common import ServerState, check_model, check_text_length, get_state, off_loop
 from pagedlm.server.serving_completion import create_completion
 from pagedlm.server.serving_multimodal import multimodal_chat_tokens
+from pagedlm.server.tools import check_tools
 
 _PROTECTED_EXACT = ("/tokenize", "/detokenize", "/metrics", "/pooling", "/sleep", "/wake_up", "/is_sleeping")
 # Bodies above this are refused (a prompt this long cannot fit a context): at once when the
@@ -169,15 +170,23 @@ def build_app(state: ServerState) -> FastAPI:
         check_model(s, body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt (a string) or messages (a chat)", param="prompt")
+        if body.messages is None and (body.tools is not None or body.chat_template_kwargs is not None):
+            param = "tools" if body.tools is not None else "chat_template_kwargs"
+            raise APIError(f"{param} applies to a chat (messages), not to a prompt", param=param)
         if body.messages is not None:
             gen_prompt = True if body.add_generation_prompt is None else body.add_generation_prompt
             check_messages_length(s, body.messages)
-            tokens = await off_loop(multimodal_chat_tokens, s, body.messages, add_generation_prompt=gen_prompt,
-                                    continue_final_message=bool(body.continue_final_message))
+            if body.tools:
+                check_tools(body.tools)
+            tokens = None
+            if not body.tools and not body.chat_template_kwargs:  # the image path renders neither
+                tokens = await off_loop(multimodal_chat_tokens, s, body.messages, add_generation_prompt=gen_prompt,
+                                        continue_final_message=bool(body.continue_final_message))
             if tokens is None:
                 _, tokens = await off_loop(render_chat, s, body.messages, add_generation_prompt=gen_prompt,
                                            continue_final_message=bool(body.continue_final_message),
-                                           add_special_tokens=bool(body.add_special_tokens))
+                                           add_special_tokens=bool(body.add_special_tokens), tools=body.tools,
+                                           template_kwargs=body.chat_template_kwargs)
         else:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             check_text_length(s, len(body.prompt or ""), "prompt")

@@ -224,6 +224,9 @@ class TokenizeRequest(OpenAIModel):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     return_token_strs: bool | None = Field(None, description="also return the tokenizer's piece of every id")
+    # with messages: rendered by the chat template as /v1/chat/completions renders them
+    tools: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(OpenAIModel):

@@ -54,6 +54,17 @@ def _function(tool: Any, i: int) -> dict[str, Any]:
     return function
 
 
+def check_tools(tools: list[Any]) -> list[dict[str, Any]]:
+    """The ``function`` object of each tool, checked (400s naming ``tools[i]...``); duplicate names
+    are refused too."""
+    functions = [_function(tool, i) for i, tool in enumerate(tools)]
+    names = [f["name"] for f in functions]
+    if len(set(names)) < len(names):
+        raise APIError(f"tools have duplicate names: {sorted({n for n in names if names.count(n) > 1})}",
+                       param="tools")
+    return functions
+
+
 def resolve_tool_choice(req: ChatCompletionRequest, *, auto_tool_parser: str | None) -> ToolChoice:
     """The request's tool choice, checked (400s naming the field); ``auto_tool_parser`` is the
     server's --tool-call-parser when --enable-auto-tool-choice is on, else None."""
@@ -62,11 +73,8 @@ def resolve_tool_choice(req: ChatCompletionRequest, *, auto_tool_parser: str | N
         if choice not in (None, "none"):
             raise APIError(f"tool_choice={choice!r} needs tools", param="tool_choice")
         return ToolChoice("none")
-    functions = [_function(tool, i) for i, tool in enumerate(req.tools)]
+    functions = check_tools(req.tools)
     names = [f["name"] for f in functions]
-    if len(set(names)) < len(names):
-        raise APIError(f"tools have duplicate names: {sorted({n for n in names if names.count(n) > 1})}",
-                       param="tools")
     tools = list(req.tools)
     if choice is None:
         choice = "auto"

@@ -25,8 +25,11 @@ SPECIAL_TOKENS = (UNK_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, *ROLE_TOKENS, END_
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 
 # Roles outside ROLE_TOKENS are rendered as plain text, so the template never fails on them.
+# Tools are listed by name in a turn of their own, as real templates render them before the chat.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}{{ '<|tool|>' }}\n{% for tool in tools %}{{ tool.function.name }}\n{% endfor %}"
+    "{{ '<|end|>' }}\n{% endif %}"
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>' }}\n{{ message['content'] }}{{ '<|end|>' }}\n"
     "{% endfor %}"
