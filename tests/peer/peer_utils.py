@@ -27,7 +27,6 @@ STARTUP_TIMEOUT_S = 240.0
 #: vLLM options without a counterpart in `pagedlm serve`, dropped with their value (True) or alone
 DROPPED = {
     "--port": True, "--host": True, "--disable-frontend-multiprocessing": False,
-    "--enable-server-load-tracking": False, "--enable-tokenizer-info-endpoint": False,
     "--tokenizer": True, "--chat-template": True,
     "--gpu-memory-utilization": True, "--dtype": True, "--max-model-len": True, "--load-format": True,
 }

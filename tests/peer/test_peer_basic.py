@@ -165,7 +165,6 @@ async def test_request_wrong_content_type(server: RemoteOpenAIServer):
     indirect=True,
 )
 @pytest.mark.asyncio
-@pytest.mark.skip(reason="GET /load (vLLM's --enable-server-load-tracking) is not served by pagedlm")
 async def test_server_load(server: RemoteOpenAIServer):
     # Check initial server load
     response = requests.get(server.url_for("load"))

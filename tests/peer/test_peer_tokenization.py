@@ -262,7 +262,6 @@ async def test_detokenize(
     [(MODEL_NAME, MODEL_NAME)],
     indirect=["tokenizer_name"],
 )
-@pytest.mark.skip(reason="GET /tokenizer_info (vLLM's --enable-tokenizer-info-endpoint) is not served by pagedlm")
 async def test_tokenizer_info_basic(
     server: RemoteOpenAIServer,
     model_name: str,
@@ -278,7 +277,6 @@ async def test_tokenizer_info_basic(
 
 
 @pytest.mark.asyncio
-@pytest.mark.skip(reason="GET /tokenizer_info (vLLM's --enable-tokenizer-info-endpoint) is not served by pagedlm")
 async def test_tokenizer_info_schema(server: RemoteOpenAIServer):
     """Test that the response matches expected schema types."""
     response = requests.get(server.url_for("tokenizer_info"))
@@ -307,7 +305,6 @@ async def test_tokenizer_info_schema(server: RemoteOpenAIServer):
 
 
 @pytest.mark.asyncio
-@pytest.mark.skip(reason="GET /tokenizer_info (vLLM's --enable-tokenizer-info-endpoint) is not served by pagedlm")
 async def test_tokenizer_info_consistency_with_tokenize(
     server: RemoteOpenAIServer,
 ):
@@ -330,7 +327,6 @@ async def test_tokenizer_info_consistency_with_tokenize(
 
 
 @pytest.mark.asyncio
-@pytest.mark.skip(reason="GET /tokenizer_info (vLLM's --enable-tokenizer-info-endpoint) is not served by pagedlm")
 async def test_tokenizer_info_chat_template(server: RemoteOpenAIServer):
     """Test chat template is properly included."""
     response = requests.get(server.url_for("tokenizer_info"))

@@ -80,4 +80,5 @@ def flagged_server(start_server: Callable[..., ServerProcess], tiny_llama: str) 
     """A second server with vLLM's optional behaviours switched on (each test says which it reads)."""
     return start_server(tiny_llama, "--max-model-len", "512", "--served-model-name", "tiny-llama",
                         "--enable-prompt-tokens-details", "--enable-force-include-usage", "--max-logprobs", "-1",
-                        "--metrics-prefix", "vllm", "--enable-prompt-embeds")
+                        "--metrics-prefix", "vllm", "--enable-prompt-embeds", "--enable-server-load-tracking",
+                        "--enable-tokenizer-info-endpoint")

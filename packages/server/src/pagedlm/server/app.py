@@ -7,8 +7,10 @@ Routes (OpenAI's, then vLLM's):
   POST /v1/embeddings, POST /pooling (pooling models; serving_embedding.py)
   POST /v1/responses (text; serving_responses.py)
   POST /sleep  POST /wake_up  GET /is_sleeping (with --enable-sleep-mode; serving_sleep.py)
-With an API key set, every /v1 route and /tokenize, /detokenize, /metrics, /pooling and the sleep
-routes need ``Authorization: Bearer KEY``; /health and /version stay open for load balancers.
+  GET /load, GET /tokenizer_info (vLLM's; serving_info.py)
+With an API key set, every /v1 route and /tokenize, /detokenize, /tokenizer_info, /metrics, /pooling
+and the sleep routes need ``Authorization: Bearer KEY``; /health, /version and /load stay open for
+load balancers.
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ from pagedlm.server.serving_chat import check_messages_length, create_chat_compl
 from pagedlm.server.serving_chat_batch import create_batch_chat_completion
 from pagedlm.server.serving_common import ServerState, check_model, check_text_length, get_state, off_loop
 from pagedlm.server.serving_completion import create_completion
+from pagedlm.server.serving_info import LoadTrackingMiddleware
 from pagedlm.server.serving_multimodal import multimodal_chat_tokens
 from pagedlm.server.tools import check_tools
 
-_PROTECTED_EXACT = ("/tokenize", "/detokenize", "/metrics", "/pooling", "/sleep", "/wake_up", "/is_sleeping")
+_PROTECTED_EXACT = ("/tokenize", "/detokenize", "/tokenizer_info", "/metrics", "/pooling", "/sleep", "/wake_up",
+                    "/is_sleeping")
 # Bodies above this are refused (a prompt this long cannot fit a context): at once when the
 # Content-Length says so, else as soon as this many bytes have arrived.
 MAX_BODY_BYTES = 64 * 2**20
@@ -126,6 +130,8 @@ def build_app(state: ServerState) -> FastAPI:
                   description="OpenAI's completions, chat and models API served by the pagedlm engine.")
     app.state.server = state
     install_error_handlers(app)
+    # NOTE: the last added runs first: a request the gate refuses is never counted as load
+    app.add_middleware(LoadTrackingMiddleware, state=state)
     app.add_middleware(GateMiddleware, api_key=state.api_key)
     if state.lora is not None:
         state.lora.install_routes(app)
@@ -237,8 +243,9 @@ def build_app(state: ServerState) -> FastAPI:
         payload = generate_latest(collector.registry) if collector is not None else b""
         return Response(payload, media_type=CONTENT_TYPE_LATEST)
 
-    from pagedlm.server import serving_embedding, serving_responses, serving_sleep
+    from pagedlm.server import serving_embedding, serving_info, serving_responses, serving_sleep
 
+    app.include_router(serving_info.router)
     app.include_router(serving_embedding.router)
     app.include_router(serving_responses.router)
     app.include_router(serving_sleep.router)

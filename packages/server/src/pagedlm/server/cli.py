@@ -56,6 +56,12 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument("--tool-call-parser", default=None, metavar="NAME",
                         help="how the model writes tool calls: hermes, qwen3, llama3_json, mistral or a plugin's "
                              "(pagedlm_register_tool_parsers)")
+    server.add_argument("--enable-server-load-tracking", action="store_true",
+                        help="count the generation requests in flight, which GET /load reports as server_load "
+                             "(vLLM's option; off: always 0)")
+    server.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                        help="serve GET /tokenizer_info: the tokenizer's configuration and chat template (vLLM's "
+                             "option; off: a 404)")
     server.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGTERM, how long in-flight requests may run before they are aborted")
     server.add_argument("--log-stats-interval", type=float, default=5.0, metavar="SECONDS",

@@ -141,7 +141,10 @@ async def _serve(args: argparse.Namespace, engine_args: EngineArgs, sock: socket
                             metrics=metrics, max_request_sequences=max_sequences,
                             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                             enable_force_include_usage=args.enable_force_include_usage,
-                            max_logprobs=args.max_logprobs, **_tool_and_reasoning_parsers(args, engine))
+                            max_logprobs=args.max_logprobs,
+                            enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                            enable_server_load_tracking=args.enable_server_load_tracking,
+                            **_tool_and_reasoning_parsers(args, engine))
         if vllm_config.lora_config is not None:
             from pagedlm.core import envs
             from pagedlm.server.lora import LoRAModels

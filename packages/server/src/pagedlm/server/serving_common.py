@@ -51,6 +51,11 @@ class ServerState:
     max_logprobs: int = MAX_LOGPROBS
     #: the LoRA adapters served as models of their own (pagedlm.server.lora.LoRAModels; --enable-lora)
     lora: Any = None
+    #: GET /tokenizer_info is served (--enable-tokenizer-info-endpoint)
+    enable_tokenizer_info_endpoint: bool = False
+    #: generation requests in flight are counted for GET /load (--enable-server-load-tracking)
+    enable_server_load_tracking: bool = False
+    server_load: int = 0
 
     def lora_request(self, model: str | None) -> Any:
         """The ``LoRARequest`` a request's ``model`` selects (None: the base model)."""
