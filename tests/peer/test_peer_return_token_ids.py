@@ -155,9 +155,10 @@ async def test_chat_completion_with_tool_use(server):
         # Verify the prompt texts and response texts
         tokenizer = get_tokenizer(tokenizer_name=MODEL_NAME)
         prompt_text = tokenizer.decode(response.prompt_token_ids)
-        # pagedlm: the tiny checkpoint's chat template (not Qwen's ChatML), and no check of the
-        # response's text: a random model does not write a <tool_call> block
-        assert prompt_text.startswith("<s><|system|>\nYou are a helpful assistant.")
+        # pagedlm: the tiny checkpoint's chat template (not Qwen's ChatML; it lists the tools by
+        # name first), and no check of the response's text: a random model does not write a
+        # <tool_call> block
+        assert prompt_text.startswith("<s><|tool|>\nget_weather\n<|end|>\n<|system|>\nYou are a helpful assistant.")
         assert prompt_text.endswith("What's the weather like in Paris?<|end|>\n<|assistant|>\n")
 
         # If tool call was made, verify the response structure

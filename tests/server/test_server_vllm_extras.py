@@ -282,3 +282,34 @@ def test_tokenize_renders_tools_and_template_kwargs_as_chat_does(server):
                         ({"messages": CHAT, "tools": tools * 2}, "tools")]:
         r = post(server, "/tokenize", body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_allowed_token_ids_and_logprob_token_ids(server, tiny_llama):
+    allowed, asked = [17, 99, 230], [3, 300]
+    r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 6, "ignore_eos": True, "return_token_ids": True,
+                                         "allowed_token_ids": allowed, "logprobs": 0,
+                                         "logprob_token_ids": asked, "return_tokens_as_token_ids": True}).json()
+    choice = r["choices"][0]
+    assert set(choice["token_ids"]) <= set(allowed), choice
+    for tid, top in zip(choice["token_ids"], choice["logprobs"]["top_logprobs"], strict=True):
+        assert set(top) == {f"token_id:{t}" for t in (tid, *asked)}
+    events = []
+    with httpx.stream("POST", server.url + "/v1/chat/completions", headers=server.headers, timeout=60,
+                      json={"model": MODEL, "messages": CHAT, "max_tokens": 3, "stream": True, "logprobs": True,
+                            "top_logprobs": 1, "logprob_token_ids": asked, "return_tokens_as_token_ids": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    content = [c for e in events for ch in e["choices"] if ch.get("logprobs") for c in ch["logprobs"]["content"]]
+    assert len(content) == 3
+    for entry in content:
+        assert [t["token"] for t in entry["top_logprobs"]][1:] == [f"token_id:{t}" for t in asked]
+        assert entry["top_logprobs"][0]["token"] == entry["token"]
+    with open(f"{tiny_llama}/config.json") as f:
+        vocab = json.load(f)["vocab_size"]
+    for body, param in [({"logprob_token_ids": [3]}, "logprob_token_ids"),
+                        ({"logprobs": 1, "logprob_token_ids": list(range(21))}, "logprob_token_ids"),
+                        ({"logprobs": 1, "logprob_token_ids": [vocab + 5]}, "logprob_token_ids"),
+                        ({"allowed_token_ids": [1, vocab]}, "allowed_token_ids"),
+                        ({"allowed_token_ids": [1.5]}, "allowed_token_ids")]:
+        r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, **body})
+        assert r.status_code == 400, (body, r.text)
+        assert param in (r.json()["error"]["param"] or r.json()["error"]["message"]), (body, r.text)

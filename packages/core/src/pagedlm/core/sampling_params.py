@@ -41,6 +41,11 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    #: sample only among these token ids (vLLM's whitelist; logprobs still describe the model)
+    allowed_token_ids: list[int] | None = None
+    #: with ``logprobs``: return the logprobs of these ids at each generated position, in place of
+    #: the top ``logprobs`` (vLLM's; for scoring a fixed label set that may rank low)
+    logprob_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
@@ -64,6 +69,9 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        # NOTE: an empty list means "not set" for both, as in vLLM
+        self.allowed_token_ids = list(self.allowed_token_ids) if self.allowed_token_ids else None
+        self.logprob_token_ids = list(self.logprob_token_ids) if self.logprob_token_ids else None
         if self.guided_decoding is not None:
             if self.structured_outputs is not None:
                 raise ValueError("pass structured_outputs or its older name guided_decoding, not both")
@@ -124,8 +132,16 @@ class SamplingParams:
         for s in self.stop:
             if (problem := utf8_problem(s)) is not None:
                 raise ValueError(f"stop {problem}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "a list of non-negative token ids")
+        for name in ("stop_token_ids", "allowed_token_ids", "logprob_token_ids"):
+            ids = getattr(self, name) or []
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+                raise bad(name, "a list of non-negative token ids")
+        if self.logprob_token_ids is not None:
+            if self.logprobs is None:
+                raise ValueError(f"logprob_token_ids={self.logprob_token_ids!r} needs logprobs set (e.g. logprobs=0): "
+                                 "it names which logprobs to return at each generated position")
+            if len(set(self.logprob_token_ids)) < len(self.logprob_token_ids):
+                raise bad("logprob_token_ids", "a list of distinct token ids")
         if self.extra_args is not None and not (isinstance(self.extra_args, dict)
                                                 and all(isinstance(k, str) for k in self.extra_args)):
             raise bad("extra_args", "None or a dict with string keys")
@@ -134,6 +150,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def num_logprob_columns(self) -> int | None:
+        """How many logprobs each generated position returns besides the sampled token's: the
+        ``logprob_token_ids`` when given, else the top ``logprobs``; None without logprobs."""
+        if self.logprobs is None:
+            return None
+        return len(self.logprob_token_ids) if self.logprob_token_ids else self.logprobs
+
     def clone(self) -> SamplingParams:
         import copy
 
@@ -141,7 +165,9 @@ class SamplingParams:
 
     def verify_for_model(self, vocab_size: int) -> None:
         """Checks that need the model: token ids in range."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {}))):
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {})),
+                          ("allowed_token_ids", self.allowed_token_ids or []),
+                          ("logprob_token_ids", self.logprob_token_ids or [])):
             bad_ids = [t for t in ids if not 0 <= int(t) < vocab_size]
             if bad_ids:
                 raise ValueError(f"{name} contains token ids {bad_ids[:5]} outside the vocabulary [0, {vocab_size})")

@@ -31,7 +31,8 @@ MAX_LOGPROBS = 20
 # Integer fields (or lists of integers): JSON Schema, and so the schema we publish, counts 2.0
 # as an integer, so 2.0 is accepted there as 2 (2.5 and "2" are still refused).
 _INT_FIELDS = frozenset({"n", "seed", "priority", "top_k", "min_tokens", "max_tokens", "logprobs", "best_of",
-                         "max_completion_tokens", "top_logprobs", "stop_token_ids", "prompt", "tokens",
+                         "max_completion_tokens", "top_logprobs", "stop_token_ids", "allowed_token_ids",
+                         "logprob_token_ids", "prompt", "tokens",
                          "prompt_logprobs", "truncate_prompt_tokens", "input", "dimensions",
                          "max_output_tokens"})
 
@@ -101,6 +102,10 @@ class SamplingFields(OpenAIModel):
     min_tokens: int | None = Field(None, ge=0, le=INT64_MAX)
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = Field(None, description="sample only among these token ids")
+    logprob_token_ids: list[int] | None = Field(
+        None, description="with logprobs: the logprobs of these token ids at each generated position, in place of the "
+                          "top ones (the sampled token's too)")
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     return_token_ids: bool | None = Field(

@@ -168,7 +168,8 @@ def chat_params(state: ServerState, req: ChatCompletionRequest
     if num_prompt_logprobs is not None and stream:
         raise APIError("prompt_logprobs are not available with stream=true", param="prompt_logprobs")
     params = make_sampling_params(req, max_tokens=max_tokens, logprobs=num_logprobs,
-                                  prompt_logprobs=num_prompt_logprobs, stream=stream)
+                                  prompt_logprobs=num_prompt_logprobs, stream=stream,
+                                  max_logprobs=state.max_logprobs)
     params.structured_outputs = structured
     if tool_choice.mode == "auto" and state.tool_parser_class.needs_special_tokens:  # type: ignore[union-attr]
         params.skip_special_tokens = False  # the parser reads its tags, which are special tokens
@@ -210,7 +211,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     builder = _ChatBuilder(state, request_id, int(time.time()), num_logprobs, token_ids,
                            return_ids=bool(req.return_token_ids), prompt_logprobs=req.prompt_logprobs is not None,
                            echo=echo_text(req, req.messages), as_ids=bool(req.return_tokens_as_token_ids),
-                           tool_choice=tool_choice)
+                           tool_choice=tool_choice, explicit_logprobs=bool(req.logprob_token_ids))
     builder.model = state.response_model(req.model)
     if stream:
         return SSEResponse(builder.stream(gen, params.n, *state.stream_usage(req)))
@@ -233,7 +234,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 class _ChatBuilder:
     def __init__(self, state: ServerState, request_id: str, created: int, num_logprobs: int | None,
                  prompt_token_ids: list[int], *, return_ids: bool = False, prompt_logprobs: bool = False,
-                 echo: str = "", as_ids: bool = False, tool_choice: ToolChoice | None = None) -> None:
+                 echo: str = "", as_ids: bool = False, tool_choice: ToolChoice | None = None,
+                 explicit_logprobs: bool = False) -> None:
         self.tool_choice = tool_choice or ToolChoice("none")
         self.prompt_logprobs = prompt_logprobs
         self.echo = echo
@@ -245,6 +247,8 @@ class _ChatBuilder:
         self.id = request_id
         self.created = created
         self.num_logprobs = num_logprobs
+        #: the request named its logprobs' ids (logprob_token_ids): they replace the top ones
+        self.explicit_logprobs = explicit_logprobs
         self.num_prompt_tokens = len(prompt_token_ids)
         #: the prompt's ids when the request asked for token ids (``return_token_ids``), else None
         self.prompt_token_ids = list(prompt_token_ids) if return_ids else None
@@ -258,7 +262,8 @@ class _ChatBuilder:
             entry = position.get(tid)
             text = token_text(self.tokenizer, tid, entry, self.as_ids)
             top = [{"token": (t := token_text(self.tokenizer, alt, lp, self.as_ids)), "logprob": finite(lp.logprob),
-                    "bytes": list(t.encode("utf-8"))} for alt, lp in top_entries(position, self.num_logprobs)]
+                    "bytes": list(t.encode("utf-8"))} for alt, lp in top_entries(position, self.num_logprobs,
+                                                                            self.explicit_logprobs)]
             content.append({"token": text, "logprob": finite(entry.logprob) if entry is not None else -9999.0,
                             "bytes": list(text.encode("utf-8")), "top_logprobs": top})
         return {"content": content, "refusal": None}

@@ -218,8 +218,15 @@ def parse_logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def make_sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None, stream: bool) -> SamplingParams:
-    """SamplingParams from the request; ``SamplingParams``' own checks become 400s."""
+                         prompt_logprobs: int | None, stream: bool, max_logprobs: int = -1) -> SamplingParams:
+    """SamplingParams from the request; ``SamplingParams``' own checks become 400s.
+    ``max_logprobs``: the server's --max-logprobs, which bounds ``logprob_token_ids`` too."""
+    if req.logprob_token_ids and logprobs is None:
+        raise APIError("logprob_token_ids needs logprobs (logprobs=true in a chat request, logprobs=N in a completion "
+                       "request): it chooses which logprobs each generated token returns", param="logprob_token_ids")
+    if req.logprob_token_ids and max_logprobs != -1 and len(req.logprob_token_ids) > max_logprobs:
+        raise APIError(f"logprob_token_ids has {len(req.logprob_token_ids)} ids; at most --max-logprobs={max_logprobs} "
+                       "are allowed", param="logprob_token_ids")
     top_k = req.top_k if req.top_k not in (None, 0) else -1  # vLLM: 0 and -1 both disable
     kwargs: dict[str, Any] = dict(
         n=req.n or 1,
@@ -240,6 +247,8 @@ def make_sampling_params(req: SamplingFields, *, max_tokens: int | None, logprob
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         logit_bias=parse_logit_bias(req.logit_bias),
+        allowed_token_ids=req.allowed_token_ids,
+        logprob_token_ids=req.logprob_token_ids,
         skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         extra_args=req.vllm_xargs,
@@ -314,8 +323,11 @@ def prompt_logprobs_body(tokenizer: Any, prompt_logprobs: list[dict[int, Logprob
         for tid, lp in position.items()} for position in prompt_logprobs]
 
 
-def top_entries(position: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
-    """The top-``k`` alternatives at one position, best first (rank 1..k)."""
+def top_entries(position: dict[int, Logprob], k: int, explicit: bool = False) -> list[tuple[int, Logprob]]:
+    """The top-``k`` alternatives at one position, best first (rank 1..k); with ``explicit``
+    (the request's ``logprob_token_ids``) every entry: the sampled token's, then the asked ids."""
+    if explicit:
+        return list(position.items())
     ranked = [(tid, lp) for tid, lp in position.items() if lp.rank is not None and 1 <= lp.rank <= k]
     return sorted(ranked, key=lambda item: item[1].rank or 0)
 

@@ -163,7 +163,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     beam_params = (beam_search_params(req, n, req.max_tokens or DEFAULT_MAX_TOKENS, stream)
                    if req.use_beam_search else None)
     params = make_sampling_params(req, max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, logprobs=num_logprobs,
-                                  prompt_logprobs=num_prompt_logprobs, stream=stream)
+                                  prompt_logprobs=num_prompt_logprobs, stream=stream,
+                                  max_logprobs=state.max_logprobs)
     params.structured_outputs, structured_param = request_params(req)
     if params.structured_outputs is not None:
         await check_compiles(state, params.structured_outputs, structured_param or "structured_outputs")
@@ -231,6 +232,8 @@ class _Builder:
         self.id = request_id
         self.created = created
         self.num_logprobs = num_logprobs
+        #: the request named its logprobs' ids (logprob_token_ids): they replace the top ones
+        self.explicit_logprobs = bool(req.logprob_token_ids)
         self.return_ids = bool(req.return_token_ids)
         self.as_ids = bool(req.return_tokens_as_token_ids)
 
@@ -240,8 +243,9 @@ class _Builder:
 
     # -- logprobs ---------------------------------------------------------------------------
     def _logprobs(self, token_ids: list[int], logprobs: SampleLogprobs | PromptLogprobs,
-                  offset: int) -> tuple[dict[str, Any], int]:
-        """OpenAI's legacy logprobs object for some tokens; returns it and the next text offset."""
+                  offset: int, explicit: bool = False) -> tuple[dict[str, Any], int]:
+        """OpenAI's legacy logprobs object for some tokens; returns it and the next text offset.
+        ``explicit``: generated tokens of a request with ``logprob_token_ids``."""
         k = self.num_logprobs or 0
         body: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tid, position in zip(token_ids, logprobs):
@@ -254,7 +258,7 @@ class _Builder:
                 body["top_logprobs"].append(None)
             else:
                 top = {token_text(self.tokenizer, t, lp, self.as_ids): finite(lp.logprob)
-                       for t, lp in top_entries(position, k)}
+                       for t, lp in top_entries(position, k, explicit)}
                 if entry is not None:
                     top.setdefault(text, finite(entry.logprob))
                 body["top_logprobs"].append(top)
@@ -270,7 +274,7 @@ class _Builder:
             prompt_logprobs = out.prompt_logprobs or [None] * len(prompt.token_ids)
             part, offset = self._logprobs(prompt.token_ids, prompt_logprobs, 0)
             parts.append(part)
-        part, offset = self._logprobs(c.token_ids, c.logprobs or [], offset)
+        part, offset = self._logprobs(c.token_ids, c.logprobs or [], offset, self.explicit_logprobs)
         parts.append(part)
         if len(parts) == 1:
             return parts[0], offset

@@ -27,7 +27,8 @@ from pagedlm.core.pooling_params import PoolingParams
 from pagedlm.core.sampling_params import RequestOutputKind, SamplingParams
 from pagedlm.core.sched import EngineCoreOutput
 
-LogprobsLists = tuple[list[list[int]], list[list[float]], list[int]]
+#: (ids, logprobs, ranks) of each position (see pagedlm.core.worker.model_runner.LogprobsLists)
+LogprobsLists = tuple[list[list[int]], list[list[float]], list[int | list[int]]]
 
 
 @dataclass
@@ -280,13 +281,15 @@ class OutputProcessor:
             text = self._logprob_token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def _logprob_dict(self, ids: list[int], values: list[float], rank: int) -> dict[int, Logprob]:
+    def _logprob_dict(self, ids: list[int], values: list[float], rank: int | list[int]) -> dict[int, Logprob]:
         entry: dict[int, Logprob] = {}
-        # Column 0 is the sampled (or prompt) token with its true rank; the rest are ranks 1..k.
-        entry[ids[0]] = Logprob(values[0], rank, self._decode_token(ids[0]))
+        # Column 0 is the sampled (or prompt) token with its true rank; the rest are ranks 1..k,
+        # unless the columns are explicitly asked ids, whose ranks come as a list.
+        ranks = rank if isinstance(rank, list) else None
+        entry[ids[0]] = Logprob(values[0], ranks[0] if ranks else rank, self._decode_token(ids[0]))
         for r, (tid, value) in enumerate(zip(ids[1:], values[1:]), start=1):
             if tid not in entry:
-                entry[tid] = Logprob(value, r, self._decode_token(tid))
+                entry[tid] = Logprob(value, ranks[r] if ranks else r, self._decode_token(tid))
         return entry
 
     def _append_logprobs(self, seq: _SequenceState, lists: LogprobsLists) -> None:

@@ -17,11 +17,15 @@ class LogprobsTensors:
         logprobs: ``[N, k+1]`` float32, matching ``logprob_token_ids``.
         selected_token_ranks: ``[N]`` int64; 1-based rank of the column-0 token (1 = most likely;
             tokens with an equal logprob share the better rank).
+        column_ranks: ``[N, k+1]`` int64 or None: the rank of every column, set only for rows
+            whose columns 1.. hold explicitly asked ids (``with_explicit_ids``), 0 elsewhere;
+            columns 1.. of the other rows are ranks 1..k by construction.
     """
 
     logprob_token_ids: torch.Tensor
     logprobs: torch.Tensor
     selected_token_ranks: torch.Tensor
+    column_ranks: torch.Tensor | None = None
 
     def tolists(self) -> tuple[list[list[int]], list[list[float]], list[int]]:
         """Host copies: (ids ``N x (k+1)``, logprobs ``N x (k+1)``, ranks ``N``)."""
@@ -41,7 +45,27 @@ class LogprobsTensors:
             self.logprob_token_ids[start:end],
             self.logprobs[start:end],
             self.selected_token_ranks[start:end],
+            None if self.column_ranks is None else self.column_ranks[start:end],
         )
+
+    def with_explicit_ids(self, logprobs: torch.Tensor, explicit: dict[int, list[int]]) -> LogprobsTensors:
+        """These tensors with columns ``1..m`` of each row in ``explicit`` replaced by its ``m``
+        asked ids (in the order asked) and their logprobs, and ``column_ranks`` giving their true
+        ranks. ``logprobs``: the ``[N, V]`` distribution these were gathered from.
+
+        NOTE: the top-k width must already be at least every row's ``m``.
+        """
+        if not explicit:
+            return self
+        ids, values = self.logprob_token_ids.clone(), self.logprobs.clone()
+        ranks = torch.zeros_like(ids)
+        for row, wanted in explicit.items():
+            cols = torch.tensor(wanted, dtype=torch.int64, device=ids.device)
+            ids[row, 1:1 + len(wanted)] = cols
+            values[row, 1:1 + len(wanted)] = logprobs[row, cols]
+            row_values = values[row, :1 + len(wanted)]
+            ranks[row, :1 + len(wanted)] = (logprobs[row].unsqueeze(0) > row_values.unsqueeze(1)).sum(-1) + 1
+        return LogprobsTensors(ids, values, self.selected_token_ranks, ranks)
 
 
 def compute_topk_logprobs(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor) -> LogprobsTensors:

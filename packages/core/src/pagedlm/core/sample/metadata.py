@@ -18,7 +18,7 @@ Conventions (chosen so that a row's "off" value is a no-op for the batched math)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,6 +60,9 @@ class SamplingMetadata:
             while ``len(output_token_ids[row]) < min_tokens``. Rows without the constraint are
             absent.
         logit_bias: per row, ``{token_id: bias}`` added to the logits, or ``None``.
+        allowed_token_ids: row -> the only ids it may sample (rows without a whitelist are absent).
+        logprob_token_ids: row -> the ids whose logprobs it returns in place of its top-k
+            (rows without them are absent).
     """
 
     temperature: torch.Tensor
@@ -79,6 +82,8 @@ class SamplingMetadata:
     output_token_ids: list[list[int]]
     min_tokens: dict[int, tuple[int, set[int]]]
     logit_bias: list[dict[int, float] | None]
+    allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    logprob_token_ids: dict[int, list[int]] = field(default_factory=dict)
     #: largest top-k of any row (``None`` when no row uses top-k): lets the sampler use
     #: ``torch.topk`` instead of sorting the vocabulary
     max_top_k: int | None = None
@@ -152,7 +157,7 @@ def build_sampling_metadata(
         if p.min_tokens > 0 and p.all_stop_token_ids:
             min_tokens[row] = (p.min_tokens, set(p.all_stop_token_ids))
 
-    logprobs = [p.logprobs for p in params if p.logprobs is not None]
+    logprobs = [p.num_logprob_columns for p in params if p.logprobs is not None]
     return SamplingMetadata(
         temperature=f32(temps),
         random_temperature=f32([t if t > 0.0 else 1.0 for t in temps]),
@@ -172,6 +177,9 @@ def build_sampling_metadata(
         output_token_ids=list(output_token_ids),
         min_tokens=min_tokens,
         logit_bias=[{int(k): float(v) for k, v in p.logit_bias.items()} if p.logit_bias else None for p in params],
+        allowed_token_ids={row: p.allowed_token_ids for row, p in enumerate(params) if p.allowed_token_ids},
+        logprob_token_ids={row: p.logprob_token_ids for row, p in enumerate(params)
+                           if p.logprob_token_ids and p.logprobs is not None},
         max_top_k=max(top_k) if any(top_k) else None,
     )
 

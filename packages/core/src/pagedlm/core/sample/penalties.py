@@ -38,6 +38,19 @@ def apply_logit_bias(logits: torch.Tensor, logit_bias: Sequence[dict[int, float]
     return logits
 
 
+def apply_allowed_token_ids(logits: torch.Tensor, allowed_token_ids: dict[int, list[int]]) -> torch.Tensor:
+    """Sets every id outside a row's whitelist to ``-inf`` (rows absent from the map keep all
+    ids). ``logits``: ``[B, V]``, modified in place."""
+    keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    rows = [row for row, ids in allowed_token_ids.items() for _ in ids]
+    cols = [t for ids in allowed_token_ids.values() for t in ids]
+    keep.index_put_(_index_tensors(rows, cols, logits.device), torch.tensor(True, device=logits.device))
+    unrestricted = [row for row in range(logits.shape[0]) if row not in allowed_token_ids]
+    if unrestricted:
+        keep[torch.tensor(unrestricted, device=logits.device)] = True
+    return logits.masked_fill_(~keep, float("-inf"))
+
+
 def apply_min_tokens(
     logits: torch.Tensor,
     output_token_ids: Sequence[Sequence[int]],

@@ -41,6 +41,7 @@ from pagedlm.core.layers.custom_ops import LayerOp, bound_op
 from pagedlm.core.sample.logprobs import LogprobsTensors, compute_topk_logprobs
 from pagedlm.core.sample.metadata import SamplingMetadata
 from pagedlm.core.sample.penalties import (
+    apply_allowed_token_ids,
     apply_logit_bias,
     apply_min_tokens,
     apply_penalties,
@@ -93,7 +94,8 @@ class Sampler(torch.nn.Module):
         logprobs_tensors = None
         if raw_logprobs is not None:
             assert md.max_num_logprobs is not None
-            logprobs_tensors = compute_topk_logprobs(raw_logprobs, md.max_num_logprobs, sampled)
+            logprobs_tensors = compute_topk_logprobs(raw_logprobs, md.max_num_logprobs, sampled).with_explicit_ids(
+                raw_logprobs, md.logprob_token_ids)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
 
 
@@ -103,11 +105,13 @@ def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     repetition/frequency/presence penalties. Never modifies the input tensor."""
     has_bias = any(md.logit_bias)
     procs = md.logitsprocs if md.logitsprocs is not None and md.logitsprocs.non_argmax_invariant else None
-    # Bias, min-tokens and custom processors write in place; copy only then (``.to`` copies
-    # anyway from bf16/fp16).
-    out = logits.to(torch.float32, copy=bool(has_bias or md.min_tokens or procs))
+    # Bias, whitelists, min-tokens and custom processors write in place; copy only then (``.to``
+    # copies anyway from bf16/fp16).
+    out = logits.to(torch.float32, copy=bool(has_bias or md.allowed_token_ids or md.min_tokens or procs))
     if has_bias:
         out = apply_logit_bias(out, md.logit_bias)
+    if md.allowed_token_ids:
+        out = apply_allowed_token_ids(out, md.allowed_token_ids)
     if md.min_tokens:
         out = apply_min_tokens(out, md.output_token_ids, md.min_tokens)
     if procs is not None:
@@ -126,7 +130,7 @@ def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 def _needs_processing(md: SamplingMetadata) -> bool:
     """Whether ``process_logits`` does more than a float32 copy for this batch."""
-    return (any(md.logit_bias) or bool(md.min_tokens) or not md.no_penalties
+    return (any(md.logit_bias) or bool(md.allowed_token_ids) or bool(md.min_tokens) or not md.no_penalties
             or (md.logitsprocs is not None and md.logitsprocs.non_argmax_invariant))
 
 

@@ -33,7 +33,7 @@ from pagedlm.core.sampling_params import SamplingParams
 
 _SAMPLING_EPS = 1e-5
 
-LogprobsLists = tuple[list[list[int]], list[list[float]], list[int]]
+LogprobsLists = tuple[list[list[int]], list[list[float]], list[int | list[int]]]
 
 
 @dataclass
@@ -153,9 +153,9 @@ def verify(logits: torch.Tensor,
 
 
 def _plain_greedy(params: SamplingParams) -> bool:
-    """Greedy with nothing that changes the argmax: no logit bias, no active ``min_tokens``, no
-    penalties (what ``process_logits`` applies)."""
-    return (float(params.temperature) < _SAMPLING_EPS and not params.logit_bias
+    """Greedy with nothing that changes the argmax: no logit bias, no whitelist, no active
+    ``min_tokens``, no penalties (what ``process_logits`` applies)."""
+    return (float(params.temperature) < _SAMPLING_EPS and not params.logit_bias and not params.allowed_token_ids
             and not (params.min_tokens > 0 and params.all_stop_token_ids)
             and abs(float(params.presence_penalty)) < _SAMPLING_EPS
             and abs(float(params.frequency_penalty)) < _SAMPLING_EPS
@@ -181,13 +181,23 @@ def _logprobs(logits: torch.Tensor, requests: Sequence[VerifyRequest], tokens: l
         return result
     rows = [starts[i] + j for i in wanted for j in range(len(tokens[i]))]
     targets = torch.tensor([t for i in wanted for t in tokens[i]], device=logits.device)
-    k = max(int(requests[i].sampling_params.logprobs) for i in wanted)
+    k = max(int(requests[i].sampling_params.num_logprob_columns) for i in wanted)
     raw = torch.log_softmax(logits[torch.tensor(rows, device=logits.device)].float(), dim=-1)
-    ids, lps, ranks = compute_topk_logprobs(raw, k, targets).tolists()
+    explicit, pos = {}, 0
+    for i in wanted:
+        if requests[i].sampling_params.logprob_token_ids:
+            explicit.update({pos + j: requests[i].sampling_params.logprob_token_ids for j in range(len(tokens[i]))})
+        pos += len(tokens[i])
+    tensors = compute_topk_logprobs(raw, k, targets).with_explicit_ids(raw, explicit)
+    ids, lps, ranks = tensors.tolists()
+    column_ranks = tensors.column_ranks.tolist() if tensors.column_ranks is not None else None
     pos = 0
     for i in wanted:
-        n, ki = len(tokens[i]), int(requests[i].sampling_params.logprobs)
+        n, ki = len(tokens[i]), int(requests[i].sampling_params.num_logprob_columns)
+        row_ranks: list[int | list[int]] = list(ranks[pos : pos + n])
+        if column_ranks is not None and requests[i].sampling_params.logprob_token_ids:
+            row_ranks = [x[: ki + 1] for x in column_ranks[pos : pos + n]]
         result[i] = ([x[: ki + 1] for x in ids[pos : pos + n]], [x[: ki + 1] for x in lps[pos : pos + n]],
-                     ranks[pos : pos + n])
+                     row_ranks)
         pos += n
     return result

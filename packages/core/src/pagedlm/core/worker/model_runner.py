@@ -41,7 +41,9 @@ from pagedlm.core.worker.prompt_embeds import embedding_body, forward_with_embed
 
 logger = init_logger(__name__)
 
-LogprobsLists = tuple[list[list[int]], list[list[float]], list[int]]
+#: (ids, logprobs, ranks) of each position; a rank is the column-0 token's, or a list of every
+#: column's where the columns are explicitly asked ids (``SamplingParams.logprob_token_ids``)
+LogprobsLists = tuple[list[list[int]], list[list[float]], list[int | list[int]]]
 
 
 class AsyncModelRunnerOutput:
@@ -90,12 +92,17 @@ class AsyncModelRunnerOutput:
                 self._event.synchronize()
             token_ids = self._token_ids_host.tolist()  # the one device-to-host copy of the step
             lp = self._logprobs.tolists() if self._logprobs is not None else None
+            column_ranks = None
+            if self._logprobs is not None and self._logprobs.column_ranks is not None:
+                column_ranks = self._logprobs.column_ranks.tolist()
             assert self._sample_indices is not None
             for j, (i, state) in enumerate(zip(self._sample_indices, self._sample_states)):
                 sampled[i] = [token_ids[j]]
-                k = state.sampling_params.logprobs
+                k = state.sampling_params.num_logprob_columns
                 if lp is not None and k is not None:
-                    logprobs[state.req_id] = ([lp[0][j][: k + 1]], [lp[1][j][: k + 1]], [lp[2][j]])
+                    explicit = column_ranks is not None and state.sampling_params.logprob_token_ids
+                    rank = column_ranks[j][: k + 1] if explicit else lp[2][j]
+                    logprobs[state.req_id] = ([lp[0][j][: k + 1]], [lp[1][j][: k + 1]], [rank])
         self._output = ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=sampled, logprobs=logprobs,
                                          prompt_logprobs=self._prompt_logprobs,
                                          kv_connector_output=self.kv_connector_output)
