@@ -31,3 +31,15 @@ from peer_fixtures import (  # noqa: E402, F401 - vLLM's sample constraints, as 
     sample_regex,
     sample_structured_outputs_choices,
 )
+
+#: the images vLLM's adapted tests fetch from local_asset_server
+ASSETS = ["2560px-Gfp-wisconsin-madison-the-nature-boardwalk.jpg"]
+
+
+@pytest.fixture(scope="session")
+def local_asset_server():
+    from peer_utils import LocalAssetServer
+
+    server = LocalAssetServer(ASSETS)
+    yield server
+    server.close()

@@ -30,17 +30,24 @@ DROPPED = {
     "--tokenizer": True, "--chat-template": True,
     "--gpu-memory-utilization": True, "--dtype": True, "--max-model-len": True, "--load-format": True,
 }
+#: the multimodal models vLLM's tests name: served by a tiny random LLaVA checkpoint instead
+MULTIMODAL_MODELS = frozenset({"HuggingFaceTB/SmolVLM-256M-Instruct"})
 _TINY: dict[str, str] = {}
 
 
-def tiny_model_dir() -> str:
-    """The tiny checkpoint every peer server serves (built on first use)."""
-    if "dir" not in _TINY:
+def tiny_model_dir(model: str | None = None) -> str:
+    """The tiny checkpoint a peer server serves for ``model`` (built on first use): a LLaVA for
+    the multimodal models vLLM's tests name, else a Llama."""
+    multimodal = model in MULTIMODAL_MODELS
+    key = "llava" if multimodal else "dir"
+    if key not in _TINY:
         from pagedlm.core.testing import make_tiny_checkpoint
+        from pagedlm.core.testing.multimodal import make_tiny_llava_checkpoint
 
-        out = Path(tempfile.mkdtemp(prefix="pagedlm-peer-")) / "tiny-llama"
-        _TINY["dir"] = make_tiny_checkpoint(out, "llama", max_position_embeddings=16384)
-    return _TINY["dir"]
+        out = Path(tempfile.mkdtemp(prefix="pagedlm-peer-"))
+        _TINY[key] = (make_tiny_llava_checkpoint(out / "tiny-llava", max_position_embeddings=16384) if multimodal
+                      else make_tiny_checkpoint(out / "tiny-llama", "llama", max_position_embeddings=16384))
+    return _TINY[key]
 
 
 def tiny_lora_dir() -> str:
@@ -54,10 +61,10 @@ def tiny_lora_dir() -> str:
 
 
 def get_tokenizer(name: str | None = None, **_: Any):
-    """vLLM's ``get_tokenizer``: here always the tiny checkpoint's tokenizer."""
+    """vLLM's ``get_tokenizer``: the tokenizer of the tiny checkpoint served for ``name``."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(tiny_model_dir())
+    return AutoTokenizer.from_pretrained(tiny_model_dir(name))
 
 
 def _free_port() -> int:
@@ -111,7 +118,11 @@ class RemoteOpenAIServer:
             api_key = args[args.index("--api-key") + 1]
         self.api_key = api_key or self.DUMMY_API_KEY
         self.max_model_len = max_model_len
-        cmd = [sys.executable, "-m", "pagedlm.core.cli", "serve", tiny_model_dir(), "--served-model-name", model,
+        if model in MULTIMODAL_MODELS:
+            # pagedlm fetches http(s) images only from listed hosts (vLLM: from any); the tests'
+            # images come from local_asset_server, on this machine
+            args += ["--allowed-media-domains", "127.0.0.1"]
+        cmd = [sys.executable, "-m", "pagedlm.core.cli", "serve", tiny_model_dir(model), "--served-model-name", model,
                "--port", str(self.port), "--device", "cpu", "--dtype", "float32",
                "--max-model-len", str(max_model_len), "--log-stats-interval", "0", "--metrics-prefix", "vllm",
                *args]
@@ -179,5 +190,34 @@ def get_vocab_size(model_name: str | None = None) -> int:
     """The tiny checkpoint's vocabulary (for vLLM's ``ModelConfig(...).get_vocab_size()``)."""
     import json
 
-    with open(Path(tiny_model_dir()) / "config.json") as f:
-        return int(json.load(f)["vocab_size"])
+    with open(Path(tiny_model_dir(model_name)) / "config.json") as f:
+        config = json.load(f)
+    return int(config.get("text_config", config)["vocab_size"])
+
+
+class LocalAssetServer:
+    """vLLM's ``local_asset_server``: the tests' media over HTTP from this machine. The assets
+    are generated images under vLLM's file names (no download): ``url_for(name)``."""
+
+    def __init__(self, names: list[str]) -> None:
+        import functools
+        import http.server
+        import threading
+
+        from PIL import Image
+
+        self.root = Path(tempfile.mkdtemp(prefix="pagedlm-peer-assets-"))
+        for i, name in enumerate(names):
+            Image.new("RGB", (64, 48), (40 * i % 256, 120, 200)).save(self.root / name)
+        handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(self.root))
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url_for(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{name}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -424,7 +424,6 @@ async def test_long_seed(client: openai.AsyncOpenAI):
 
 
 @pytest.mark.asyncio
-@pytest.mark.skip(reason="SageMaker's /invocations route is not served by pagedlm")
 async def test_invocations(server: RemoteOpenAIServer, client: openai.AsyncOpenAI):
     messages = [
         {"role": "system", "content": "you are a helpful assistant"},

@@ -20,7 +20,6 @@ from peer_utils import get_tokenizer
 
 from peer_utils import RemoteOpenAIServer
 
-MM = 'multimodal models are not supported by pagedlm (issue 25)'
 MODELS = {
     "text": "TinyLlama/TinyLlama-1.1B-Chat-v1.0",
     "multimodal": "HuggingFaceTB/SmolVLM-256M-Instruct",
@@ -28,7 +27,7 @@ MODELS = {
 PREV_MINOR_VERSION = "0.32"  # pagedlm: vLLM 0.33.0's previous minor
 
 
-@pytest.fixture(scope="module", params=["text", pytest.param("multimodal", marks=pytest.mark.skip(reason=MM))])
+@pytest.fixture(scope="module", params=["text", "multimodal"])
 def model_key(request):
     yield request.param
 
@@ -248,6 +247,7 @@ HIDDEN_DEPRECATED_METRICS: list[str] = []
 
 @pytest.mark.asyncio
 async def test_metrics_exist(
+    local_asset_server,
     server: RemoteOpenAIServer,
     client: openai.AsyncClient,
     model_key: str,
@@ -273,7 +273,7 @@ async def test_metrics_exist(
                         {
                             "type": "image_url",
                             "image_url": {
-                                "url": local_asset_server.url_for(  # noqa: F821 (multimodal: skipped)
+                                "url": local_asset_server.url_for(
                                     "2560px-Gfp-wisconsin-madison-the-nature-boardwalk.jpg"
                                 ),
                             },

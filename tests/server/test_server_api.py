@@ -250,3 +250,19 @@ def test_metrics_and_stats_log(server, client):
     while "Avg generation throughput" not in server.log() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert "Avg generation throughput" in server.log()
+
+
+def test_sagemaker_invocations_route_by_the_body(server):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    completion = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+    for body, route in ((chat, "/v1/chat/completions"), (completion, "/v1/completions")):
+        direct, invoked = post(server, route, body).json(), post(server, "/invocations", body).json()
+        assert invoked["object"] == direct["object"] and invoked["choices"] == direct["choices"], invoked
+    streamed = sse_events(server, "/invocations", {**completion, "stream": True})
+    assert streamed[-1] == "[DONE]" and len(streamed) > 2
+    for body, param in (({"max_tokens": 4}, "messages"), ({**completion, "max_tokens": "x"}, "max_tokens")):
+        r = post(server, "/invocations", body)
+        assert r.status_code == 400 and param in json.dumps(r.json()["error"]), r.text
+    r = httpx.post(server.url + "/invocations", content=b"{not json", headers=server.headers, timeout=30)
+    assert r.status_code == 400, r.text
+    assert httpx.post(server.url + "/invocations", json=chat, timeout=30).status_code == 401  # behind the API key

@@ -8,8 +8,9 @@ Routes (OpenAI's, then vLLM's):
   POST /v1/responses (text; serving_responses.py)
   POST /sleep  POST /wake_up  GET /is_sleeping (with --enable-sleep-mode; serving_sleep.py)
   GET /load, GET /tokenizer_info (vLLM's; serving_info.py)
-With an API key set, every /v1 route and /tokenize, /detokenize, /tokenizer_info, /metrics, /pooling
-and the sleep routes need ``Authorization: Bearer KEY``; /health, /version and /load stay open for
+  POST /invocations (SageMaker's: a chat, completion or embeddings request; serving_invocations.py)
+With an API key set, every /v1 route and /tokenize, /detokenize, /tokenizer_info, /metrics, /pooling,
+/invocations and the sleep routes need ``Authorization: Bearer KEY``; /health, /version and /load stay open for
 load balancers.
 """
 
@@ -40,8 +41,8 @@ from pagedlm.server.serving_info import LoadTrackingMiddleware
 from pagedlm.server.serving_multimodal import multimodal_chat_tokens
 from pagedlm.server.tools import check_tools
 
-_PROTECTED_EXACT = ("/tokenize", "/detokenize", "/tokenizer_info", "/metrics", "/pooling", "/sleep", "/wake_up",
-                    "/is_sleeping")
+_PROTECTED_EXACT = ("/tokenize", "/detokenize", "/tokenizer_info", "/metrics", "/pooling", "/invocations", "/sleep",
+                    "/wake_up", "/is_sleeping")
 # Bodies above this are refused (a prompt this long cannot fit a context): at once when the
 # Content-Length says so, else as soon as this many bytes have arrived.
 MAX_BODY_BYTES = 64 * 2**20
@@ -243,9 +244,10 @@ def build_app(state: ServerState) -> FastAPI:
         payload = generate_latest(collector.registry) if collector is not None else b""
         return Response(payload, media_type=CONTENT_TYPE_LATEST)
 
-    from pagedlm.server import serving_embedding, serving_info, serving_responses, serving_sleep
+    from pagedlm.server import serving_embedding, serving_info, serving_invocations, serving_responses, serving_sleep
 
     app.include_router(serving_info.router)
+    app.include_router(serving_invocations.router)
     app.include_router(serving_embedding.router)
     app.include_router(serving_responses.router)
     app.include_router(serving_sleep.router)

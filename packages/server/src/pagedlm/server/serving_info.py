@@ -19,7 +19,7 @@ router = APIRouter()
 
 #: the routes that run the model, which /load counts (as vLLM's load-aware routes)
 LOAD_TRACKED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch",
-                                "/v1/embeddings", "/pooling", "/v1/responses"})
+                                "/v1/embeddings", "/pooling", "/v1/responses", "/invocations"})
 
 
 class LoadTrackingMiddleware:

@@ -26,7 +26,7 @@ TINY_PATCH_SIZE = 14
 
 
 def make_tiny_llava_checkpoint(out_dir: str | os.PathLike[str], *, seed: int = 0, vocab_size: int = 512,
-                               logit_scale: float = 8.0) -> str:
+                               logit_scale: float = 8.0, max_position_embeddings: int = 512) -> str:
     """Build a tiny random ``LlavaForConditionalGeneration`` checkpoint in ``out_dir``; returns it.
 
     Vision: CLIP, 3 layers of width 32, quick-GELU, features of layer -2 without the class token
@@ -55,7 +55,8 @@ def make_tiny_llava_checkpoint(out_dir: str | os.PathLike[str], *, seed: int = 0
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
                               image_size=TINY_IMAGE_SIZE, patch_size=TINY_PATCH_SIZE, hidden_act="quick_gelu")
     text = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
+                       rms_norm_eps=1e-6,
                        rope_theta=500000.0, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token_id,
                          vision_feature_layer=-2, vision_feature_select_strategy="default",
