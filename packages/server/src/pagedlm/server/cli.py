@@ -23,6 +23,31 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
                     "as `pagedlm generate` does) over OpenAI's completions and chat API. Every engine option "
                     "of LLM(...) is accepted.",
     )
+    add_server_options(p)
+    p.set_defaults(func=run_serve)
+
+
+def add_run_batch_command(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "run-batch", help="run a file of OpenAI batch requests (JSON lines) offline",
+        description="Run every request of an OpenAI batch input file (one JSON object a line: custom_id, method, "
+                    "url, body; url /v1/completions, /v1/chat/completions or /v1/embeddings) through the server's "
+                    "own handlers, as vLLM's run-batch does, and write one result line per request, in order. "
+                    "Every option of `pagedlm serve` is accepted.",
+    )
+    batch = p.add_argument_group("batch options")
+    batch.add_argument("-i", "--input-file", required=True, metavar="PATH_OR_URL",
+                       help="the batch input: a local file, or an http(s) URL")
+    batch.add_argument("-o", "--output-file", required=True, metavar="PATH",
+                       help="where the results go: one JSON line per request, in the input's order ('-': stdout)")
+    batch.add_argument("--enable-metrics", action="store_true",
+                       help="serve /metrics and /health on --host:--port while the batch runs")
+    add_server_options(p)
+    p.set_defaults(func=run_batch)
+
+
+def add_server_options(p: argparse.ArgumentParser) -> None:
+    """MODEL, the server options and every engine option (``pagedlm serve`` and ``run-batch``)."""
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="local HF model directory or .gguf file (same as --model; default: the default model, "
                         "Gemma 3 270M when pagedlm-models-gemma[default-model] is installed)")
@@ -78,7 +103,6 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
                         help="open POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, which is also read)")
     EngineArgs.add_cli_args(p)
-    p.set_defaults(func=run_serve)
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:
@@ -88,6 +112,21 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    check_server_args(args)
+    from pagedlm.server.launcher import serve
+
+    return serve(args, api_key=resolve_api_key(args))
+
+
+def run_batch(args: argparse.Namespace) -> int:
+    check_server_args(args)
+    from pagedlm.server.run_batch import run_batch_file
+
+    return run_batch_file(args)
+
+
+def check_server_args(args: argparse.Namespace) -> None:
+    """Resolves MODEL and checks the server options (``ValueError`` naming the bad one)."""
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"MODEL={args.model_tag!r} and --model={args.model!r} disagree: give one of them")
     args.model = args.model_tag or args.model
@@ -117,6 +156,3 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedlm.server.lora import parse_lora_modules
 
     args.lora_modules = parse_lora_modules(args.lora_modules)  # ValueError for a malformed entry
-    from pagedlm.server.launcher import serve
-
-    return serve(args, api_key=resolve_api_key(args))

@@ -123,36 +123,56 @@ def _tool_and_reasoning_parsers(args: argparse.Namespace, engine: AsyncLLM) -> d
     return fields
 
 
-async def _serve(args: argparse.Namespace, engine_args: EngineArgs, sock: socket.socket, api_key: str | None,
-                 chat_template: str | None) -> int:
+def start_engine(args: argparse.Namespace, engine_args: EngineArgs) -> tuple[EngineClient, PrometheusStatLogger]:
+    """The engine (its core process ready) and the Prometheus logger it reports to, as
+    ``pagedlm serve`` and ``pagedlm run-batch`` start them."""
     vllm_config = engine_args.create_vllm_config()
-    name = vllm_config.model_config.name
     cache_config = {f.name: getattr(vllm_config.cache_config, f.name)
                     for f in dataclasses.fields(vllm_config.cache_config)}
-    metrics = PrometheusStatLogger(name, prefix=PREFIXES[args.metrics_prefix], max_model_len=vllm_config.max_model_len,
-                                   cache_config=cache_config)
+    metrics = PrometheusStatLogger(vllm_config.model_config.name, prefix=PREFIXES[args.metrics_prefix],
+                                   max_model_len=vllm_config.max_model_len, cache_config=cache_config)
     # Blocking start-up is fine here: nothing else runs on this loop yet.
     engine: EngineClient = AsyncLLM(vllm_config, stat_loggers=[metrics], log_interval_s=args.log_stats_interval,
                                     log_stats=args.log_stats_interval > 0)
     try:
         metrics.set_num_gpu_blocks(engine.num_gpu_blocks)
-        max_sequences = args.max_request_sequences or vllm_config.scheduler_config.max_num_seqs
-        state = ServerState(engine=engine, served_model_names=[name], api_key=api_key, chat_template=chat_template,
-                            metrics=metrics, max_request_sequences=max_sequences,
-                            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                            enable_force_include_usage=args.enable_force_include_usage,
-                            max_logprobs=args.max_logprobs,
-                            enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-                            enable_server_load_tracking=args.enable_server_load_tracking,
-                            **_tool_and_reasoning_parsers(args, engine))
-        if vllm_config.lora_config is not None:
-            from pagedlm.core import envs
-            from pagedlm.server.lora import LoRAModels
+    except BaseException:
+        engine.shutdown()
+        raise
+    return engine, metrics
 
-            dynamic = bool(getattr(args, "enable_dynamic_lora", False)) or envs.allow_runtime_lora_updating()
-            state.lora = LoRAModels(engine, name, allow_runtime_updates=dynamic)
-            for lora_name, path, base in getattr(args, "lora_modules", None) or ():
-                await state.lora.add(lora_name, path, base)  # ValueError (the CLI prints it) for a bad one
+
+async def build_state(args: argparse.Namespace, engine: EngineClient, metrics: PrometheusStatLogger,
+                      api_key: str | None, chat_template: str | None) -> ServerState:
+    """What the routes need (``ServerState``) from the server options; LoRA modules loaded."""
+    vllm_config = engine.vllm_config
+    name = vllm_config.model_config.name
+    max_sequences = args.max_request_sequences or vllm_config.scheduler_config.max_num_seqs
+    state = ServerState(engine=engine, served_model_names=[name], api_key=api_key, chat_template=chat_template,
+                        metrics=metrics, max_request_sequences=max_sequences,
+                        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                        enable_force_include_usage=args.enable_force_include_usage,
+                        max_logprobs=args.max_logprobs,
+                        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                        enable_server_load_tracking=args.enable_server_load_tracking,
+                        **_tool_and_reasoning_parsers(args, engine))
+    if vllm_config.lora_config is not None:
+        from pagedlm.core import envs
+        from pagedlm.server.lora import LoRAModels
+
+        dynamic = bool(getattr(args, "enable_dynamic_lora", False)) or envs.allow_runtime_lora_updating()
+        state.lora = LoRAModels(engine, name, allow_runtime_updates=dynamic)
+        for lora_name, path, base in getattr(args, "lora_modules", None) or ():
+            await state.lora.add(lora_name, path, base)  # ValueError (the CLI prints it) for a bad one
+    return state
+
+
+async def _serve(args: argparse.Namespace, engine_args: EngineArgs, sock: socket.socket, api_key: str | None,
+                 chat_template: str | None) -> int:
+    engine, metrics = start_engine(args, engine_args)
+    name = engine.vllm_config.model_config.name
+    try:
+        state = await build_state(args, engine, metrics, api_key, chat_template)
         app = build_app(state)
         config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=args.access_log,
                                 timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off")

@@ -13,10 +13,11 @@ from pagedlm.core.plugins import hookimpl
 
 @hookimpl
 def pagedlm_add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
-    from pagedlm.server.cli import add_serve_command
+    from pagedlm.server.cli import add_run_batch_command, add_serve_command
     from pagedlm.server.disagg_proxy import add_disagg_proxy_command
 
     add_serve_command(subparsers)
+    add_run_batch_command(subparsers)
     add_disagg_proxy_command(subparsers)
 
 
