@@ -18,49 +18,10 @@ import requests
 import torch
 from openai import BadRequestError
 
+from peer_chat_server import MODEL_NAME, client, server, zephyr_lora_files  # noqa: F401 - module fixtures
 from peer_utils import RemoteOpenAIServer, tiny_lora_dir
 # pagedlm: vLLM's request classes are used only by its unit tests, skipped here
 BatchChatCompletionRequest = ChatCompletionRequest = VLLMValidationError = SamplingParams = None
-
-# any model with a chat template should work here
-MODEL_NAME = "HuggingFaceH4/zephyr-7b-beta"
-
-
-@pytest.fixture(scope="module")
-def zephyr_lora_files():
-    """Download zephyr LoRA files once per test session."""
-    return tiny_lora_dir()  # pagedlm: a PEFT adapter of the tiny checkpoint, built here
-
-
-@pytest.fixture(scope="module")
-def server(zephyr_lora_files):
-    args = [
-        # use half precision for speed and memory savings in CI environment
-        "--dtype",
-        "bfloat16",
-        "--max-model-len",
-        "8192",
-        "--enforce-eager",
-        # lora config below
-        "--enable-lora",
-        "--lora-modules",
-        f"zephyr-lora={zephyr_lora_files}",
-        "--max-lora-rank",
-        "64",
-        "--max-cpu-loras",
-        "2",
-        "--max-num-seqs",
-        "128",
-    ]
-
-    with RemoteOpenAIServer(MODEL_NAME, args) as remote_server:
-        yield remote_server
-
-
-@pytest_asyncio.fixture
-async def client(server):
-    async with server.get_async_client() as async_client:
-        yield async_client
 
 
 @pytest.mark.asyncio

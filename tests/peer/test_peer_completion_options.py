@@ -13,38 +13,9 @@ import pytest_asyncio
 import regex as re
 from openai import BadRequestError
 
+from peer_completion_server import MODEL_NAME, client, default_server_args, server  # noqa: F401 - module fixtures
 from peer_utils import RemoteOpenAIServer
 from peer_utils import get_tokenizer
-
-# any model with a chat template should work here
-MODEL_NAME = "Qwen/Qwen3-0.6B"
-
-
-@pytest.fixture(scope="module")
-def default_server_args():
-    return [
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "2048",
-        "--max-num-seqs",
-        "128",
-        "--enforce-eager",
-        "--enable-prompt-tokens-details",
-        "--no-enable-prefix-caching",
-    ]
-
-
-@pytest.fixture(scope="module")
-def server(default_server_args):
-    with RemoteOpenAIServer(MODEL_NAME, default_server_args) as remote_server:
-        yield remote_server
-
-
-@pytest_asyncio.fixture
-async def client(server):
-    async with server.get_async_client() as async_client:
-        yield async_client
 
 
 @pytest.mark.asyncio
