@@ -10,8 +10,10 @@ tests that depend on them are skipped with a reason).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -45,6 +47,7 @@ def tiny_model_dir(model: str | None = None) -> str:
         from pagedlm.core.testing.multimodal import make_tiny_llava_checkpoint
 
         out = Path(tempfile.mkdtemp(prefix="pagedlm-peer-"))
+        atexit.register(shutil.rmtree, out, ignore_errors=True)
         _TINY[key] = (make_tiny_llava_checkpoint(out / "tiny-llava", max_position_embeddings=16384) if multimodal
                       else make_tiny_checkpoint(out / "tiny-llama", "llama", max_position_embeddings=16384))
     return _TINY[key]
@@ -207,6 +210,7 @@ class LocalAssetServer:
         from PIL import Image
 
         self.root = Path(tempfile.mkdtemp(prefix="pagedlm-peer-assets-"))
+        atexit.register(shutil.rmtree, self.root, ignore_errors=True)
         for i, name in enumerate(names):
             Image.new("RGB", (64, 48), (40 * i % 256, 120, 200)).save(self.root / name)
         handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(self.root))
