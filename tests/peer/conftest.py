@@ -43,3 +43,11 @@ def local_asset_server():
     server = LocalAssetServer(ASSETS)
     yield server
     server.close()
+
+
+@pytest.fixture(scope="session")
+def qwen3_lora_files():
+    """vLLM downloads a Qwen3 LoRA adapter; here, a PEFT adapter of the tiny checkpoint."""
+    from peer_utils import tiny_lora_dir
+
+    return tiny_lora_dir()

@@ -29,7 +29,7 @@ STARTUP_TIMEOUT_S = 240.0
 #: vLLM options without a counterpart in `pagedlm serve`, dropped with their value (True) or alone
 DROPPED = {
     "--port": True, "--host": True, "--disable-frontend-multiprocessing": False,
-    "--tokenizer": True, "--chat-template": True,
+    "--tokenizer": True, "--chat-template": True, "--enable-per-request-metrics": False,
     "--gpu-memory-utilization": True, "--dtype": True, "--max-model-len": True, "--load-format": True,
 }
 #: the multimodal models vLLM's tests name: served by a tiny random LLaVA checkpoint instead

@@ -75,6 +75,9 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
     server.add_argument("--metrics-prefix", choices=["pagedlm", "vllm"], default="pagedlm",
                         help="prefix of the /metrics series, vLLM's names after it: 'pagedlm' (pagedlm:...) or 'vllm' "
                              "(vllm:..., so that vLLM's Grafana dashboards and alerts work unchanged)")
+    server.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="logprobs write every token as 'token_id:<id>' unless a request's "
+                             "return_tokens_as_token_ids says otherwise (vLLM's option)")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='let requests use tool_choice="auto" (the default with tools): the model decides, and '
                              "--tool-call-parser reads its calls (vLLM's option)")

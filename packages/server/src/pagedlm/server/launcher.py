@@ -155,6 +155,7 @@ async def build_state(args: argparse.Namespace, engine: EngineClient, metrics: P
                         max_logprobs=args.max_logprobs,
                         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                         enable_server_load_tracking=args.enable_server_load_tracking,
+                        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                         **_tool_and_reasoning_parsers(args, engine))
     if vllm_config.lora_config is not None:
         from pagedlm.core import envs

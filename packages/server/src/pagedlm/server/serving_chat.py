@@ -210,7 +210,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                 priority=priority)
     builder = _ChatBuilder(state, request_id, int(time.time()), num_logprobs, token_ids,
                            return_ids=bool(req.return_token_ids), prompt_logprobs=req.prompt_logprobs is not None,
-                           echo=echo_text(req, req.messages), as_ids=bool(req.return_tokens_as_token_ids),
+                           echo=echo_text(req, req.messages), as_ids=state.tokens_as_ids(req),
                            tool_choice=tool_choice, explicit_logprobs=bool(req.logprob_token_ids))
     builder.model = state.response_model(req.model)
     if stream:

@@ -79,7 +79,7 @@ async def create_batch_chat_completion(state: ServerState, req: BatchChatComplet
             raise APIError(f"no output came back for conversation {i}", status=500)
         builder = _ChatBuilder(state, request_id, created, num_logprobs, ids, return_ids=bool(req.return_token_ids),
                                prompt_logprobs=req.prompt_logprobs is not None, echo=echo_text(req, req.messages[i]),
-                               as_ids=bool(req.return_tokens_as_token_ids),
+                               as_ids=state.tokens_as_ids(req),
                                explicit_logprobs=bool(req.logprob_token_ids))
         one = builder.response(out)
         for choice in one["choices"]:

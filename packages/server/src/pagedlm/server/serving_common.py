@@ -51,6 +51,9 @@ class ServerState:
     max_logprobs: int = MAX_LOGPROBS
     #: the LoRA adapters served as models of their own (pagedlm.server.lora.LoRAModels; --enable-lora)
     lora: Any = None
+    #: logprobs write tokens as ``token_id:<id>`` unless a request says otherwise
+    #: (--return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool = False
     #: GET /tokenizer_info is served (--enable-tokenizer-info-endpoint)
     enable_tokenizer_info_endpoint: bool = False
     #: generation requests in flight are counted for GET /load (--enable-server-load-tracking)
@@ -69,6 +72,12 @@ class ServerState:
     tool_parser_class: Any = None
     #: the --reasoning-parser (a ReasoningParser, shared: it keeps no per-request state), or None
     reasoning_parser: Any = None
+
+    def tokens_as_ids(self, req: Any) -> bool:
+        """Whether a request's logprobs write tokens as ``token_id:<id>``: its own
+        ``return_tokens_as_token_ids``, else the server's default."""
+        value = getattr(req, "return_tokens_as_token_ids", None)
+        return self.return_tokens_as_token_ids if value is None else bool(value)
 
     def resolve_logprobs(self, value: int | None, param: str) -> int | None:
         """A logprobs count of a request: -1 means the whole vocabulary, as in vLLM; more than

@@ -235,7 +235,7 @@ class _Builder:
         #: the request named its logprobs' ids (logprob_token_ids): they replace the top ones
         self.explicit_logprobs = bool(req.logprob_token_ids)
         self.return_ids = bool(req.return_token_ids)
-        self.as_ids = bool(req.return_tokens_as_token_ids)
+        self.as_ids = state.tokens_as_ids(req)
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
@@ -257,10 +257,10 @@ class _Builder:
             if position is None:
                 body["top_logprobs"].append(None)
             else:
-                top = {token_text(self.tokenizer, t, lp, self.as_ids): finite(lp.logprob)
-                       for t, lp in top_entries(position, k, explicit)}
-                if entry is not None:
-                    top.setdefault(text, finite(entry.logprob))
+                # the position's own token first (as vLLM writes it), then the top-k
+                top = {text: finite(entry.logprob)} if entry is not None else {}
+                for t, lp in top_entries(position, k, explicit):
+                    top.setdefault(token_text(self.tokenizer, t, lp, self.as_ids), finite(lp.logprob))
                 body["top_logprobs"].append(top)
             body["text_offset"].append(offset)
             offset += len(text)
