@@ -8,7 +8,8 @@
 
 Both get the token ids pagedlm gets (no tokenizer in the way) and report what pagedlm's latency
 benchmark reports: prefill time (to the first token), decode time per token, end-to-end time and
-output tokens/s, medians over ``--num-iters`` iterations after ``--num-iters-warmup``.
+output tokens/s, medians over ``--num-iters`` iterations after ``--num-iters-warmup`` (the
+one-token and whole runs alternate).
 Decode per token is ``(time for N tokens - time for the first) / (N - 1)``.
 """
 
@@ -27,6 +28,16 @@ def _summary(prefill_s: list[float], e2e_s: list[float], batch: int, output_len:
     decode = (e2e - first) / (output_len - 1) if output_len > 1 else float("nan")
     return {"prefill_ms": first * 1e3, "decode_ms_per_token": decode * 1e3, "e2e_ms": e2e * 1e3,
             "output_tokens_per_s": batch * output_len / e2e}
+
+
+def _timed_pairs(run: Any, output_len: int, iters: int) -> tuple[list[float], list[float]]:
+    """``iters`` timings of one token and of ``output_len`` tokens, taken in turn so that a slow
+    spell of the machine lands on both kinds alike (not on all of one kind)."""
+    first, e2e = [], []
+    for _ in range(iters):
+        first.append(run(1))
+        e2e.append(run(output_len))
+    return first, e2e
 
 
 def hf_generate(prompts: list[list[int]], output_len: int, *, model: str, dummy: bool, dtype: Any, device: str,
@@ -49,8 +60,7 @@ def hf_generate(prompts: list[list[int]], output_len: int, *, model: str, dummy:
 
     for _ in range(warmup):
         run(output_len)
-    first = [run(1) for _ in range(iters)]
-    e2e = [run(output_len) for _ in range(iters)]
+    first, e2e = _timed_pairs(run, output_len, iters)
     return {"peer": "hf", "api": "generate", "dtype": str(dtype).removeprefix("torch."),
             **_summary(first, e2e, len(prompts), output_len)}
 
@@ -80,8 +90,7 @@ def llama_cpp(prompts: list[list[int]], output_len: int, *, model: str, iters: i
 
     for _ in range(warmup):
         run(output_len)
-    first = [run(1) for _ in range(iters)]
-    e2e = [run(output_len) for _ in range(iters)]
+    first, e2e = _timed_pairs(run, output_len, iters)
     version = getattr(llama_cpp, "__version__", "?")
     if hasattr(llm, "close"):
         llm.close()
