@@ -24,11 +24,9 @@ from pagedlm.core.outputs import (
     SampleLogprobs,
 )
 from pagedlm.core.pooling_params import PoolingParams
+from pagedlm.core.sample.logprobs import LogprobsLists
 from pagedlm.core.sampling_params import RequestOutputKind, SamplingParams
 from pagedlm.core.sched import EngineCoreOutput
-
-#: (ids, logprobs, ranks) of each position (see pagedlm.core.worker.model_runner.LogprobsLists)
-LogprobsLists = tuple[list[list[int]], list[list[float]], list[int | list[int]]]
 
 
 @dataclass

@@ -6,6 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
+#: host lists of logprobs, one entry per position: (ids, logprobs, ranks). A rank is the column-0
+#: token's, or a list of every column's where the columns are explicitly asked ids
+#: (``SamplingParams.logprob_token_ids``).
+LogprobsLists = tuple[list[list[int]], list[list[float]], list[int | list[int]]]
+
 
 @dataclass
 class LogprobsTensors:

@@ -28,12 +28,12 @@ from dataclasses import dataclass
 import torch
 
 from pagedlm.core.sample import build_sampling_metadata, compute_topk_logprobs, process_logits
+from pagedlm.core.sample.logprobs import LogprobsLists
 from pagedlm.core.sample.sampler import apply_min_p, apply_top_k_top_p, gumbel_max
 from pagedlm.core.sampling_params import SamplingParams
 
 _SAMPLING_EPS = 1e-5
 
-LogprobsLists = tuple[list[list[int]], list[list[float]], list[int | list[int]]]
 
 
 @dataclass

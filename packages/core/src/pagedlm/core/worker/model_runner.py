@@ -34,6 +34,7 @@ from pagedlm.core.sample import (
     compute_topk_logprobs,
 )
 from pagedlm.core.sample.logits_processor import BatchLogitsProcessors, build_logitsprocs
+from pagedlm.core.sample.logprobs import LogprobsLists
 from pagedlm.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
 from pagedlm.core.structured_output.bitmask import apply_grammar_bitmask
 from pagedlm.core.worker.input_batch import InputBatch, StepInputs
@@ -41,9 +42,6 @@ from pagedlm.core.worker.prompt_embeds import embedding_body, forward_with_embed
 
 logger = init_logger(__name__)
 
-#: (ids, logprobs, ranks) of each position; a rank is the column-0 token's, or a list of every
-#: column's where the columns are explicitly asked ids (``SamplingParams.logprob_token_ids``)
-LogprobsLists = tuple[list[list[int]], list[list[float]], list[int | list[int]]]
 
 
 class AsyncModelRunnerOutput:
